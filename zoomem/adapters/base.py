@@ -1,0 +1,96 @@
+"""What an adapter knows about a model zoo, as one small base class.
+
+An adapter recognises its zoo's models, names their units (the checkpointable blocks, in forward order),
+builds an example batch from the model's own config, computes a loss for planning, and flips the zoo's
+native checkpointing switch (for the baselines). Everything else in zoomem is zoo-agnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..batch import Batch
+
+__all__ = ["Adapter", "Unit", "default_loss"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A checkpointable region: one module, named by its path in the model."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def cls(self) -> str:
+        return type(self.module).__name__
+
+
+def default_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """A loss for planning when the zoo gives none.
+
+    Uses ``output.loss`` when the model computed one; cross-entropy against integer targets; otherwise the
+    mean of every floating output tensor, so that every output takes part in backward.
+    """
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    logits = output
+    if not isinstance(logits, torch.Tensor):
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            logits = output[0]
+    if isinstance(target, torch.Tensor) and isinstance(logits, torch.Tensor) and not target.is_floating_point():
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+    from torch.utils import _pytree as pytree
+
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError(
+            f"Cannot derive a planning loss from a model output of type {type(output).__name__}: it holds no "
+            "floating tensor. Pass `loss_fn=` (a callable (output, batch) -> scalar tensor)."
+        )
+    return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
+
+
+class Adapter:
+    """Base class of the zoo adapters; subclasses override what their zoo does differently.
+
+    Subclasses set ``name`` and ``priority`` (higher is asked first) and register themselves with
+    :func:`zoomem.adapters.register_adapter`.
+    """
+
+    name: ClassVar[str] = "base"
+    priority: ClassVar[int] = 0
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether this adapter knows ``model``."""
+        raise NotImplementedError
+
+    def units(self, model: nn.Module) -> list[Unit]:
+        """The checkpointable blocks of ``model``, non-overlapping, in forward order."""
+        raise NotImplementedError
+
+    def example_batch(self, model: nn.Module, batch_size: int, **sizes: int) -> Batch:
+        """A random batch built from the model's config (sequence length, image size, graph size in ``sizes``)."""
+        raise NotImplementedError(
+            f"The {self.name!r} adapter cannot build an example batch for {type(model).__name__}: "
+            "pass a real batch instead."
+        )
+
+    def loss(self, model: nn.Module, batch: Batch, output: Any) -> torch.Tensor:
+        """The scalar loss a training step would minimise, used for tracing and planning."""
+        return default_loss(output, batch.target)
+
+    def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
+        """Turn the zoo's own full checkpointing on or off; return False where the model has none."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

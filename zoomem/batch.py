@@ -1,0 +1,91 @@
+"""The inputs of one training step, in one shape for every zoo.
+
+A model of any zoo is called as ``model(*batch.args, **batch.kwargs)``; ``batch.target`` holds what the
+planning loss compares the output with (labels), or ``None`` when the output carries its own loss (HF
+models given ``labels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["Batch"]
+
+
+@dataclass
+class Batch:
+    """Positional and keyword inputs of one model call, plus an optional target.
+
+    Args:
+        args: positional inputs of ``model(...)``.
+        kwargs: keyword inputs of ``model(...)``.
+        target: labels for the planning loss, or ``None`` when the model computes its own loss.
+
+    >>> b = Batch.of(torch.zeros(2, 3))
+    >>> b.signature()
+    (('args', ((2, 3), 'torch.float32'),), ('kwargs',), ('target', None))
+    """
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None
+
+    @classmethod
+    def of(cls, obj: Any) -> "Batch":
+        """Build a Batch from what users pass: a Batch, dict, tuple/list, tensor or PyG ``Data``."""
+        if isinstance(obj, Batch):
+            return obj
+        if isinstance(obj, dict):
+            return cls(kwargs=dict(obj))
+        if isinstance(obj, (tuple, list)):
+            return cls(args=tuple(obj))
+        if isinstance(obj, torch.Tensor):
+            return cls(args=(obj,))
+        if hasattr(obj, "x") and hasattr(obj, "edge_index"):  # torch_geometric.data.Data without importing PyG
+            return cls(args=(obj.x, obj.edge_index), target=getattr(obj, "y", None))
+        raise TypeError(
+            f"Cannot use {type(obj).__name__} as a batch: pass a zoomem.Batch, a dict of keyword inputs, "
+            "a tuple of positional inputs, a tensor, or a torch_geometric Data object."
+        )
+
+    def call(self, model: torch.nn.Module) -> Any:
+        """Run ``model`` on this batch."""
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the batch holds (inputs and target)."""
+        leaves = pytree.tree_leaves((self.args, self.kwargs, self.target))
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """A copy with every tensor moved to ``device``."""
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        args, kwargs, target = pytree.tree_map(move, (self.args, self.kwargs, self.target))
+        return Batch(tuple(args), dict(kwargs), target)
+
+    def nbytes(self) -> int:
+        """Bytes of the batch's tensors (storage-deduplicated)."""
+        seen: dict[int, int] = {}
+        for t in self.tensors():
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    def signature(self) -> tuple:
+        """Shapes and dtypes of every input: plans are cached per signature."""
+
+        def sig(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return (tuple(x.shape), str(x.dtype))
+            if isinstance(x, (int, float, bool, str, type(None))):
+                return x
+            return type(x).__name__
+
+        kw = tuple(sorted((k, tuple(sig(leaf) for leaf in pytree.tree_leaves(v))) for k, v in self.kwargs.items()))
+        args = tuple(sig(a) for a in pytree.tree_leaves(self.args))
+        target = None if self.target is None else tuple(sig(t) for t in pytree.tree_leaves(self.target))
+        return (("args",) + args, ("kwargs",) + kw, ("target", target))

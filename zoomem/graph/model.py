@@ -1,0 +1,208 @@
+"""The operator graph: what one traced training step ran, kept and cost.
+
+Plain dataclasses so that the planner (and users) can read them, and so that a graph survives a JSON round
+trip: ``OpGraph.from_json(g.to_json()) == g``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["TensorInfo", "OpNode", "UnitInfo", "OpGraph", "OUTSIDE"]
+
+OUTSIDE = "(outside units)"
+"""Pseudo-unit of the ops that run in no unit (stem, head, loss)."""
+
+_ACTIVATION_ROLES = ("activation", "param_copy")
+
+
+@dataclass
+class TensorInfo:
+    """One tensor seen during the step.
+
+    ``role`` is ``activation`` (made by the step), ``param``, ``buffer``, ``input`` (part of the batch),
+    ``param_copy`` (a cast of a parameter, e.g. under autocast) or ``external`` (existed before the step but
+    is none of the above). ``storage`` identifies the underlying allocation, so views share it.
+    """
+
+    id: int
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    storage: int
+    role: str = "activation"
+    producer: int | None = None
+
+
+@dataclass
+class OpNode:
+    """One aten op of the step, in execution order (forward ops first, then backward ops)."""
+
+    index: int
+    name: str
+    kind: str
+    module: str
+    unit: str
+    phase: str
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)
+    flops: int = 0
+    time_s: float = 0.0
+
+
+@dataclass
+class UnitInfo:
+    """A checkpointable unit and what it costs. ``group`` is shared by structurally identical units."""
+
+    name: str
+    cls: str
+    group: int
+    first_op: int = -1
+    last_op: int = -1
+    saved_bytes: int = 0
+    flops_fwd: int = 0
+    flops_bwd: int = 0
+    time_fwd_s: float = 0.0
+    time_bwd_s: float = 0.0
+
+
+@dataclass
+class OpGraph:
+    """The traced step. Build it with :func:`zoomem.trace`.
+
+    Attributes:
+        ops: every aten op of forward and backward, in order.
+        tensors: tensor id -> info.
+        storages: storage id -> bytes.
+        units: the units in forward order, then the ``OUTSIDE`` pseudo-unit.
+        held_storages: storages alive at the end of forward that the step made (saved for backward or
+            outputs); their bytes are what the meter sees held at the end of forward.
+        saved_storages: the subset saved by autograd.
+        fixed_bytes: parameters, buffers and batch (bytes that exist before the step).
+    """
+
+    model: str
+    adapter: str
+    device: str
+    batch_signature: str
+    ops: list[OpNode] = field(default_factory=list)
+    tensors: dict[int, TensorInfo] = field(default_factory=dict)
+    storages: dict[int, int] = field(default_factory=dict)
+    units: list[UnitInfo] = field(default_factory=list)
+    held_storages: list[int] = field(default_factory=list)
+    saved_storages: list[int] = field(default_factory=list)
+    fixed_bytes: int = 0
+    param_bytes: int = 0
+    step_time_s: float = 0.0
+
+    # ----------------------------------------------------------------- derived figures
+    @property
+    def forward_ops(self) -> list[OpNode]:
+        return [op for op in self.ops if op.phase == "forward"]
+
+    @property
+    def backward_ops(self) -> list[OpNode]:
+        return [op for op in self.ops if op.phase == "backward"]
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd holds for backward at the end of forward (storage-deduplicated activations)."""
+        return sum(self.storages[s] for s in self.saved_storages)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the step itself holds at the end of forward: saved activations plus outputs and loss."""
+        return sum(self.storages[s] for s in self.held_storages)
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    def unit(self, name: str) -> UnitInfo:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"No unit named {name!r}; units are {[u.name for u in self.units]}.")
+
+    def saved_tensors(self, unit: str | None = None) -> list[TensorInfo]:
+        """The tensors saved for backward (by the ops of ``unit``, or of all units)."""
+        ids = [t for op in self.forward_ops if unit is None or op.unit == unit for t in op.saved]
+        return [self.tensors[i] for i in dict.fromkeys(ids)]
+
+    # ----------------------------------------------------------------- display
+    def summary(self) -> str:
+        """A per-unit table: saved bytes, FLOPs and time, each with its share of the total."""
+        mib = 1024**2
+        total_saved = max(sum(u.saved_bytes for u in self.units), 1)
+        total_flops = max(sum(u.flops_fwd + u.flops_bwd for u in self.units), 1)
+        total_time = max(sum(u.time_fwd_s + u.time_bwd_s for u in self.units), 1e-12)
+        groups: dict[int, int] = defaultdict(int)
+        for u in self.units:
+            groups[u.group] += 1
+        head = (
+            f"{'unit':<34} {'class':<28} {'saved MiB':>10} {'share':>6} {'fwd GFLOP':>10} {'bwd GFLOP':>10} "
+            f"{'fwd ms':>8} {'bwd ms':>8} {'time':>6}"
+        )
+        lines = [
+            f"zoomem trace: {self.model}  (adapter {self.adapter}, device {self.device})",
+            f"batch {self.batch_signature}",
+            head,
+            "-" * len(head),
+        ]
+        for u in self.units:
+            same = f" x{groups[u.group]}" if groups[u.group] > 1 and u.name != OUTSIDE else ""
+            lines.append(
+                f"{u.name[:34]:<34} {(u.cls + same)[:28]:<28} {u.saved_bytes / mib:>10.2f} "
+                f"{100 * u.saved_bytes / total_saved:>5.1f}% {u.flops_fwd / 1e9:>10.3f} {u.flops_bwd / 1e9:>10.3f} "
+                f"{1e3 * u.time_fwd_s:>8.2f} {1e3 * u.time_bwd_s:>8.2f} "
+                f"{100 * (u.time_fwd_s + u.time_bwd_s) / total_time:>5.1f}%"
+            )
+        lines.append("-" * len(head))
+        lines.append(
+            f"{'total':<34} {f'{len(self.units) - 1} units, {len(self.ops)} ops':<28} {total_saved / mib:>10.2f} "
+            f"{'':>6} {sum(u.flops_fwd for u in self.units) / 1e9:>10.3f} "
+            f"{sum(u.flops_bwd for u in self.units) / 1e9:>10.3f} "
+            f"{1e3 * sum(u.time_fwd_s for u in self.units):>8.2f} {1e3 * sum(u.time_bwd_s for u in self.units):>8.2f}"
+        )
+        lines.append(
+            f"held for backward at end of forward: {self.saved_bytes / mib:.2f} MiB saved + outputs = "
+            f"{self.held_bytes / mib:.2f} MiB; parameters {self.param_bytes / mib:.2f} MiB; "
+            f"fixed (params, buffers, batch) {self.fixed_bytes / mib:.2f} MiB; FLOPs {total_flops / 1e9:.3f} G"
+        )
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["_type"] = "OpGraph"
+        d["tensors"] = list(d["tensors"].values())
+        d["storages"] = [[k, v] for k, v in self.storages.items()]
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpGraph":
+        if d.get("_type") != "OpGraph":
+            raise ValueError(f"Not an OpGraph dict (its _type is {d.get('_type')!r}).")
+        d = dict(d)
+        d.pop("_type")
+        d["ops"] = [OpNode(**o) for o in d["ops"]]
+        d["tensors"] = {t["id"]: TensorInfo(**t) for t in d["tensors"]}
+        d["storages"] = {int(k): int(v) for k, v in d["storages"]}
+        d["units"] = [UnitInfo(**u) for u in d["units"]]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OpGraph":
+        return cls.from_dict(json.loads(text))
+
+
+def is_activation(role: str) -> bool:
+    """Whether a tensor of this role is memory the step itself allocates."""
+    return role in _ACTIVATION_ROLES
