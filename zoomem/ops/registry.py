@@ -89,7 +89,7 @@ _BUILTIN: dict[str, tuple[str, ...]] = {
     "dropout": ("native_dropout", "bernoulli", "bernoulli_", "dropout"),
     "pool": ("max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d",
              "max_pool2d", "mean"),
-    "softmax": ("_softmax", "_log_softmax", "softmax", "log_softmax"),
+    "softmax": ("_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax"),
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                   "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",

@@ -1,0 +1,145 @@
+"""The tracer on the zoo matrix: truthful saved bytes, untouched model state, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zoomem
+from zoomem import zoo
+from zoomem.adapters.base import Adapter, Unit
+from zoomem.graph import OUTSIDE, OpGraph, TraceError
+
+
+def _step(model: nn.Module, adapter: Adapter, batch: zoomem.Batch, meter: zoomem.MemoryMeter | None = None):
+    out = batch.call(model)
+    loss = adapter.loss(model, batch, out)
+    if meter is not None:
+        meter.mark("forward")
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("model_id", zoo.ZOO_MATRIX)
+def test_trace_matches_meter_and_leaves_state(model_id: str) -> None:
+    model, adapter, batch = zoo.small(model_id)
+    reference = copy.deepcopy(model)
+    for p in model.parameters():  # a gradient the user already had must survive tracing
+        p.grad = torch.full_like(p, 0.5)
+    rng = torch.get_rng_state()
+
+    graph = zoomem.trace(model, batch, adapter=adapter)
+
+    assert torch.equal(torch.get_rng_state(), rng), "tracing changed the RNG state"
+    for (n, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), f"tracing changed {n}"
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    for p in model.parameters():
+        p.grad = None
+
+    assert len([u for u in graph.units if u.name != OUTSIDE]) >= 2
+    assert graph.saved_bytes > 0 and graph.held_bytes >= graph.saved_bytes
+    assert sum(u.saved_bytes for u in graph.units) == graph.saved_bytes
+    assert any(op.phase == "backward" for op in graph.ops) and graph.flops > 0
+
+    torch.manual_seed(1)
+    with zoomem.MemoryMeter(model, batch) as meter:
+        loss, grads = _step(model, adapter, batch, meter)
+    torch.manual_seed(1)
+    ref_loss, ref_grads = _step(reference, adapter, batch)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+    held = meter.report.activation_bytes
+    assert held is not None
+    assert abs(graph.held_bytes - held) <= 0.01 * held, (
+        f"{model_id}: traced {graph.held_bytes} B held at end of forward, meter saw {held} B"
+    )
+
+
+def test_json_round_trip_and_summary() -> None:
+    model, adapter, batch = zoo.small("timm/resnet18")
+    graph = zoomem.trace(model, batch, adapter=adapter)
+    again = OpGraph.from_json(graph.to_json())
+    assert again == graph
+    text = graph.summary()
+    assert "layer1.0" in text and "saved MiB" in text and "x2" in text  # repeated blocks are grouped
+
+
+class _Seq(Adapter):
+    name = "test-seq"
+
+    def units(self, model: nn.Module) -> list[Unit]:
+        return [Unit(str(i), m) for i, m in enumerate(model)]
+
+
+def test_double_saves_and_views_count_once() -> None:
+    # one activation saved by two consumers, and a view of it saved by a third
+    class Twice(nn.Module):
+        def forward(self, x):
+            h = torch.sigmoid(x)  # saves its output h
+            return (h * x).sum() + (h * 2).exp().sum() + h.view(-1).sin().sum()
+
+    x = torch.randn(256, 256, requires_grad=True)
+    graph = zoomem.trace(nn.Sequential(Twice(), nn.Identity()), (x,), adapter=_Seq(), loss_fn=lambda out, b: out)
+    h_storage = next(op for op in graph.forward_ops if "sigmoid" in op.name).outputs[0]
+    sid = graph.tensors[h_storage].storage
+    assert sid in graph.saved_storages
+    savers = [op for op in graph.forward_ops if any(graph.tensors[t].storage == sid for t in op.saved)]
+    assert len(savers) >= 3  # sigmoid, mul, sin (through a view)
+    assert graph.saved_bytes == sum(graph.storages[s] for s in set(graph.saved_storages))
+
+
+def test_saved_tensors_attributed_to_their_op() -> None:
+    lin = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    graph = zoomem.trace(lin, (x,), adapter=_Seq(), loss_fn=lambda out, b: out.square().mean())
+    by_name = {op.name: op for op in graph.forward_ops}
+    relu = by_name["aten.relu.default"]
+    assert [graph.tensors[t].shape for t in relu.saved] == [[8, 32]]
+    second = [op for op in graph.forward_ops if op.name == "aten.addmm.default"][1]
+    assert [8, 32] in [graph.tensors[t].shape for t in second.saved]  # the addmm that consumes relu's output
+    assert relu.unit == "1" and second.unit == "2" and relu.module == "1"
+
+
+def test_unknown_op_is_generic_not_an_error() -> None:
+    lib = torch.library.Library("zoomem_test", "FRAGMENT")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+    class UsesCustom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.ops.zoomem_test.twice(self.lin(x).detach()) + self.lin(x)
+
+    graph = zoomem.trace(nn.Sequential(UsesCustom(), nn.Linear(4, 2)), (torch.randn(3, 4),), adapter=_Seq(),
+                         loss_fn=lambda out, b: out.sum())
+    custom = [op for op in graph.ops if op.name.startswith("zoomem_test.twice")]
+    assert custom and custom[0].kind == "generic"
+
+
+def test_failure_names_module_and_op() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(TraceError) as err:
+        zoomem.trace(model, (torch.randn(2, 8),), adapter=_Seq())
+    msg = str(err.value)
+    assert "'2'" in msg and "Linear" in msg and "aten." in msg and "Try:" in msg
+    # the model is intact after a failed trace
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_failure_keeps_training_mode_and_buffers() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model.eval()
+    before = copy.deepcopy(model.state_dict())
+    zoomem.trace(model, (torch.randn(4, 8),), adapter=_Seq(), loss_fn=lambda out, b: out.sum())
+    assert not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

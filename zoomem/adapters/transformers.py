@@ -1,0 +1,261 @@
+"""The HuggingFace transformers adapter: any ``transformers.PreTrainedModel``.
+
+Units are the outermost ``transformers.modeling_layers.GradientCheckpointingLayer`` instances, HF's own notion of
+a checkpointable layer (``bert.encoder.layer.3``, ``transformer.h.0``, ``model.layers.7``, ``encoder.block.1``);
+models with none fall back to the generic split. The example batch follows ``model.main_input_name`` and the head
+(labels go in ``kwargs`` so the model returns ``.loss``). The SDPA aten ops are registered as attention at import;
+the ``*Attention`` layer classes once transformers' modeling code is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..batch import Batch
+from ..ops.registry import register_op
+from .base import Adapter, Unit, default_loss
+from .generic import drop_foreign_sizes, outermost, sequential_units, with_registered_blocks
+from .registry import LAYERS, register_adapter, register_layer
+
+__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "register_attention_layers"]
+
+logger = logging.getLogger(__name__)
+
+HF_ATTENTION_OPS: tuple[str, ...] = (
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_fused_attention_overrideable_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+)
+"""aten ops behind ``attn_implementation="sdpa"`` (every SDPA backend, forward and backward)."""
+
+_ATTENTION_MODULES = ("bert", "gpt2", "llama", "t5", "vit")
+"""transformers.models.<name>.modeling_<name> modules whose ``*Attention`` classes are registered up front."""
+
+_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM")
+_SEQUENCE_HEADS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification")
+
+
+HF_MATH_ATTENTION_OPS: dict[str, str] = {"_safe_softmax": "softmax"}
+"""Ops of SDPA's math path, which training takes on CPU whenever attention dropout is on (BERT, GPT-2, T5):
+``_safe_softmax`` (a softmax whose fully masked rows give 0) between two ``bmm`` and a ``native_dropout``."""
+
+
+def _register_ops() -> None:
+    kinds = {**{n: "attention" for n in HF_ATTENTION_OPS}, **HF_MATH_ATTENTION_OPS}
+    for n, kind in kinds.items():
+        try:
+            register_op(f"aten.{n}", kind=kind, zoo="transformers")
+        except ValueError as exc:  # registered under another category by someone else: keep theirs
+            logger.debug("not registering aten.%s as %s: %s", n, kind, exc)
+
+
+_register_ops()
+
+_layers_registered = False
+
+
+def _hf_loaded() -> bool:
+    return "transformers.modeling_utils" in sys.modules
+
+
+def register_attention_layers(classes: list[type]) -> None:
+    """Register HF classes named ``*Attention`` as ``kind="attention"`` (skipping any already registered)."""
+    for cls in classes:
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, nn.Module)
+            and cls.__name__.endswith("Attention")
+            and cls.__module__.startswith("transformers.")
+            and cls not in LAYERS
+        ):
+            register_layer(cls, kind="attention", zoo="transformers")
+
+
+def _register_layers() -> None:
+    global _layers_registered
+    if _layers_registered:
+        return
+    _layers_registered = True
+    for name in _ATTENTION_MODULES:
+        try:
+            mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:  # pragma: no cover - a model family removed from transformers
+            continue
+        register_attention_layers([v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == mod.__name__])
+
+
+if _hf_loaded():
+    _register_layers()
+
+
+def _checkpointing_layer() -> type | None:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    param = next(model.parameters(), None)
+    if param is None:
+        return torch.device("cpu"), torch.float32
+    return param.device, (param.dtype if param.is_floating_point() else torch.float32)
+
+
+@register_adapter
+class TransformersAdapter(Adapter):
+    """HF transformers models: ``GradientCheckpointingLayer`` units, batches from the config, the model's own loss.
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128))
+    >>> [u.name for u in TransformersAdapter().units(model)]
+    ['encoder.layer.0', 'encoder.layer.1']
+    """
+
+    name = "transformers"
+    priority = 20
+
+    def matches(self, model: nn.Module) -> bool:
+        if not _hf_loaded():
+            return False
+        _register_layers()
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return False
+        return isinstance(model, PreTrainedModel)
+
+    def units(self, model: nn.Module) -> list[Unit]:
+        _register_layers()
+        register_attention_layers(list({type(m) for m in model.modules()}))
+        gc_layer = _checkpointing_layer()
+        found = [(n, m) for n, m in model.named_modules() if gc_layer is not None and isinstance(m, gc_layer)]
+        units = [Unit(n, m) for n, m in outermost(found)]
+        if not units:
+            units = sequential_units(model)
+        return with_registered_blocks(model, units)
+
+    def example_batch(
+        self,
+        model: nn.Module,
+        batch_size: int,
+        seq_len: int | None = None,
+        image_size: int | None = None,
+        **sizes: Any,
+    ) -> Batch:
+        """A random batch for ``model.main_input_name``, with labels for the model's head.
+
+        Args:
+            model: a ``PreTrainedModel``.
+            batch_size: rows of the batch.
+            seq_len: tokens per row for text models; default ``min(128, max_position_embeddings)``.
+            image_size: height = width for vision models; default ``config.image_size``.
+
+        Returns:
+            ``Batch(kwargs={input, attention_mask?, labels?, use_cache=False?}, target=None)``: labels are
+            ``(b,)`` class ids for sequence/image classification, ``input_ids`` for causal/masked LMs,
+            ``(b, seq_len)`` random ids for encoder-decoder LMs (with ``decoder_input_ids``, the labels shifted right), none
+            for base models without a head.
+
+        Raises:
+            NotImplementedError: the main input is neither ``input_ids`` nor ``pixel_values``.
+        """
+        drop_foreign_sizes(self.name, sizes, ("seq_len", "image_size"))
+        config = model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        main = getattr(model, "main_input_name", "input_ids")
+        device, dtype = _device_dtype(model)
+        params = _forward_params(model)
+        cls_name = type(model).__name__
+        kwargs: dict[str, Any] = {}
+        if main == "input_ids":
+            max_pos = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+            length = int(seq_len) if seq_len is not None else min(128, int(max_pos or 128))
+            vocab = int(text_config.vocab_size)
+            input_ids = torch.randint(0, vocab, (batch_size, length), device=device)
+            kwargs["input_ids"] = input_ids
+            if "attention_mask" in params:
+                kwargs["attention_mask"] = torch.ones(batch_size, length, dtype=torch.long, device=device)
+        elif main == "pixel_values":
+            size = image_size if image_size is not None else getattr(config, "image_size", 224)
+            h, w = (size, size) if isinstance(size, int) else tuple(size)
+            channels = int(getattr(config, "num_channels", 3))
+            kwargs["pixel_values"] = torch.randn(batch_size, channels, h, w, device=device, dtype=dtype)
+            length = None
+        else:
+            raise NotImplementedError(
+                f"The 'transformers' adapter builds example batches for main_input_name 'input_ids' or "
+                f"'pixel_values', not {main!r} ({cls_name}): pass a real batch instead."
+            )
+
+        is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+        if "labels" in params:
+            num_labels = int(getattr(config, "num_labels", 2))
+            if is_enc_dec and length is not None:
+                labels = torch.randint(0, int(text_config.vocab_size), (batch_size, length), device=device)
+                kwargs["labels"] = labels
+                if "decoder_input_ids" in params:  # shift right ourselves: v5 configs may lack decoder_start_token_id
+                    start = getattr(config, "decoder_start_token_id", None)
+                    start = getattr(config, "pad_token_id", None) if start is None else start
+                    first = torch.full((batch_size, 1), int(start or 0), dtype=labels.dtype, device=device)
+                    kwargs["decoder_input_ids"] = torch.cat([first, labels[:, :-1]], dim=1)
+            elif cls_name.endswith(_SEQUENCE_HEADS):
+                if num_labels == 1:  # regression head (MSE)
+                    kwargs["labels"] = torch.randn(batch_size, device=device, dtype=dtype)
+                else:
+                    kwargs["labels"] = torch.randint(0, num_labels, (batch_size,), device=device)
+            elif cls_name.endswith("ForTokenClassification") and length is not None:
+                kwargs["labels"] = torch.randint(0, num_labels, (batch_size, length), device=device)
+            elif cls_name.endswith(_LM_HEADS) and "input_ids" in kwargs:
+                kwargs["labels"] = kwargs["input_ids"].clone()
+            else:
+                logger.debug("no example labels for %s: the planning loss uses its outputs", cls_name)
+        elif is_enc_dec and length is not None and "decoder_input_ids" in params:
+            kwargs["decoder_input_ids"] = torch.randint(0, int(text_config.vocab_size), (batch_size, length), device=device)
+        if "use_cache" in params:
+            kwargs["use_cache"] = False
+        return Batch(kwargs=kwargs, target=None)
+
+    def loss(self, model: nn.Module, batch: Batch, output: Any) -> torch.Tensor:
+        loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            return loss
+        return default_loss(output, batch.target)
+
+    def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
+        supported = bool(getattr(model, "supports_gradient_checkpointing", False))
+        if not supported:
+            return False
+        if enable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        return supported

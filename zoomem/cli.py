@@ -1,0 +1,130 @@
+"""The ``zoomem`` command: ``zoomem trace <model-id>``, ``zoomem demo``, ``zoomem models``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODELS = ("timm/resnet50", "hf/bert-base-uncased")
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"zoomem: --set expects KEY=VALUE (e.g. --set num_hidden_layers=2), got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k] = _parse_value(v)
+    return out
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
+    names = ("seq_len", "image_size", "num_nodes", "num_edges")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _trace_one(model_id: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from . import zoo
+    from .graph import trace
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, adapter = zoo.build(model_id, **_overrides(args.set))
+    model.to(args.device)
+    batch = adapter.example_batch(model, args.batch, **_sizes(args)).to(args.device)
+    built = time.perf_counter() - t0
+    graph = trace(model, batch, adapter=adapter)
+    return {"id": model_id, "graph": graph, "build_s": built, "trace_s": time.perf_counter() - t0 - built}
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    results = [_trace_one(mid, args) for mid in args.model]
+    if args.json:
+        payload = [dict(id=r["id"], **r["graph"].to_dict()) for r in results]
+        json.dump(payload if len(payload) > 1 else payload[0], sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    for r in results:
+        print(f"\n== {r['id']}  (built in {r['build_s']:.2f} s, traced in {r['trace_s']:.2f} s)")
+        print(r["graph"].summary())
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from . import zoo
+
+    for mid in zoo.list_models():
+        print(mid)
+    print("timm/<any timm model name>   (built with pretrained=False)")
+    return 0
+
+
+def _add_size_flags(p: argparse.ArgumentParser, default_batch: int) -> None:
+    p.add_argument("--batch", type=int, default=default_batch, help="batch size (graphs: scales the node count)")
+    p.add_argument("--seq-len", dest="seq_len", type=int, help="sequence length (HF text models)")
+    p.add_argument("--image-size", dest="image_size", type=int, help="image height = width (timm, HF ViT)")
+    p.add_argument("--num-nodes", dest="num_nodes", type=int, help="nodes of the random graph (PyG)")
+    p.add_argument("--num-edges", dest="num_edges", type=int, help="edges of the random graph (PyG)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a model/config field, e.g. --set num_hidden_layers=2 (repeatable)",
+    )
+    p.add_argument("--device", default="cpu", help="device to trace on (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="zoomem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"zoomem {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("trace", help="trace one training step and print the per-unit table")
+    p.add_argument("model", nargs="+", help="model ids: timm/resnet50, hf/bert-base-uncased, pyg/gcn, ...")
+    _add_size_flags(p, default_batch=8)
+    p.add_argument("--json", action="store_true", help="print the operator graph as JSON")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("demo", help=f"trace {' and '.join(DEMO_MODELS)} (built from config) and print their tables")
+    _add_size_flags(p, default_batch=8)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_trace, model=list(DEMO_MODELS))
+
+    p = sub.add_parser("models", help="list the built-in model ids")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # unknown ids and bad overrides: the message says what to do
+        print(f"zoomem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
