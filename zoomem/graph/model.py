@@ -39,7 +39,12 @@ class TensorInfo:
 
 @dataclass
 class OpNode:
-    """One aten op of the step, in execution order (forward ops first, then backward ops)."""
+    """One aten op of the step, in execution order (forward ops first, then backward ops).
+
+    ``mem_before`` / ``mem_peak`` / ``mem_after`` are the bytes the step held (above what existed before it)
+    when the op started, at its peak (scratch included) and when it returned, as measured; -1 when the trace
+    ran without memory measurement.
+    """
 
     index: int
     name: str
@@ -52,11 +57,18 @@ class OpNode:
     saved: list[int] = field(default_factory=list)
     flops: int = 0
     time_s: float = 0.0
+    mem_before: int = -1
+    mem_peak: int = -1
+    mem_after: int = -1
 
 
 @dataclass
 class UnitInfo:
-    """A checkpointable unit and what it costs. ``group`` is shared by structurally identical units."""
+    """A checkpointable unit and what it costs. ``group`` is shared by structurally identical units.
+
+    ``input_storages`` are the storages of the tensors passed to the unit's forward: what a checkpoint of the
+    unit keeps alive in place of the unit's saved tensors.
+    """
 
     name: str
     cls: str
@@ -68,6 +80,7 @@ class UnitInfo:
     flops_bwd: int = 0
     time_fwd_s: float = 0.0
     time_bwd_s: float = 0.0
+    input_storages: list[int] = field(default_factory=list)
 
 
 @dataclass

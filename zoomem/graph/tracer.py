@@ -16,6 +16,7 @@ train/eval mode and the RNG state.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from contextlib import ExitStack
@@ -38,6 +39,8 @@ from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 __all__ = ["trace", "TraceError"]
 
 logger = logging.getLogger(__name__)
+
+_SPAN = "zoomem::op::"
 
 
 class TraceError(RuntimeError):
@@ -77,6 +80,9 @@ class _State:
     backward_module: str = ""
     failed_op: str | None = None
     sync_cuda: bool = False
+    mem: str | None = None  # "cpu": profiler spans per op; "cuda": allocator statistics per op
+    cuda_base: int = 0
+    cuda_mem: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class _Ids:
@@ -159,15 +165,27 @@ class _OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         st = self.state
         st.failed_op = str(func)
+        index = len(st.ops)
         if st.sync_cuda:
             torch.cuda.synchronize()
+        if st.mem == "cuda":
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out = func(*args, **kwargs)
+        if st.mem == "cpu":
+            with torch.profiler.record_function(f"{_SPAN}{index}"):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         if st.sync_cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if st.mem == "cuda":
+            base = st.cuda_base
+            st.cuda_mem[index] = (
+                before - base, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+            )
         st.failed_op = None
-        index = len(st.ops)
         in_ids = [self.ids.tensor(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out_ids = [
             self.ids.tensor(t, producer=index) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
@@ -286,6 +304,7 @@ def trace(
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     batch_size: int = 2,
     train: bool = True,
+    memory: bool = True,
     **sizes: int,
 ) -> OpGraph:
     """Trace one training step of ``model`` into an :class:`OpGraph`.
@@ -298,6 +317,9 @@ def trace(
         adapter: an adapter (or its name) instead of the one that matches.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
         train: trace in training mode (dropout and BatchNorm as in training); the mode is restored after.
+        memory: measure the bytes live around every op (CPU: profiler allocator trace; CUDA: allocator
+            statistics), the timeline the planner predicts peaks from. Skipped, with a log line, when a
+            profiler or :class:`~zoomem.MemoryMeter` is already running.
 
     Returns:
         The graph. The model's parameters, gradients, buffers, mode and the RNG state are as before.
@@ -337,6 +359,14 @@ def trace(
     def pre_hook(mod: nn.Module, args: Any) -> None:
         state.module_stack.append(names.get(mod, "?"))
 
+    unit_inputs: dict[str, list[int]] = {}
+
+    def unit_pre_hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
+        name = names.get(mod, "?")
+        if name not in unit_inputs:
+            leaves = pytree.tree_leaves((args, kwargs))
+            unit_inputs[name] = sorted({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)})
+
     def post_hook(mod: nn.Module, args: Any, out: Any) -> None:
         if state.module_stack:
             state.module_stack.pop()
@@ -364,6 +394,7 @@ def trace(
     was_training = model.training
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     handles = []
+    profiler = None
     t_start = time.perf_counter()
     try:
         with ExitStack() as stack:
@@ -372,9 +403,14 @@ def trace(
             model.train(train)
             for p in params:
                 p.grad = None
+            for u in units:
+                handles.append(u.module.register_forward_pre_hook(unit_pre_hook, with_kwargs=True))
             for mod in model.modules():
                 handles.append(mod.register_forward_pre_hook(pre_hook))
                 handles.append(mod.register_forward_hook(post_hook))
+            profiler = _memory_profiler(state, device, memory)
+            if profiler is not None:
+                stack.enter_context(profiler)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             stack.enter_context(_OpRecorder(state, ids))
             with spans:
@@ -417,6 +453,7 @@ def trace(
             p.grad = g
         model.train(was_training)
     step_time = time.perf_counter() - t_start
+    _fill_memory(state, profiler)
 
     role = {}
     for t in state.tensors.values():
@@ -446,8 +483,41 @@ def trace(
             counted.setdefault(state.ops[p.op].unit, set()).add(s)
     for u in graph.units:
         u.saved_bytes = sum(state.storages[s] for s in counted.get(u.name, ()))
+        u.input_storages = unit_inputs.get(u.name, [])
     _dedupe_across_units(graph, counted)
     return graph
+
+
+def _memory_profiler(state: _State, device: torch.device, wanted: bool) -> Any:
+    """Choose how op memory is measured; on CPU return the profiler to run the step under."""
+    from .. import measure
+
+    if not wanted:
+        return None
+    if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
+        logger.info("trace: a profiler or MemoryMeter is running, so ops are traced without memory figures")
+        return None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        state.mem, state.cuda_base = "cuda", torch.cuda.memory_allocated()
+        return None
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    state.mem = "cpu"
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+
+def _fill_memory(state: _State, profiler: Any) -> None:
+    if state.mem == "cuda":
+        stats = state.cuda_mem
+    elif state.mem == "cpu" and profiler is not None:
+        from ..measure import cpu_span_memory
+
+        stats = {int(k): (v.start_bytes, v.peak_bytes, v.end_bytes) for k, v in cpu_span_memory(profiler, _SPAN).items()}
+    else:
+        return
+    for op in state.ops:
+        if op.index in stats:
+            op.mem_before, op.mem_peak, op.mem_after = stats[op.index]
 
 
 def _dedupe_across_units(graph: OpGraph, counted: dict[str, set[int]]) -> None:
