@@ -16,6 +16,8 @@ from .batch import Batch
 from .graph import OpGraph, TraceError, trace
 from .measure import MemoryMeter, MemoryReport, measure_step
 from .ops import register_op
+from .planner import Decision, InfeasibleBudgetError, Plan, parse_budget
+from .runtime import disabled, is_wrapped, plan, unwrap, wrap
 
 try:
     __version__ = version("zoomem")
@@ -25,6 +27,15 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "Adapter",
     "Batch",
+    "Decision",
+    "InfeasibleBudgetError",
+    "Plan",
+    "disabled",
+    "is_wrapped",
+    "parse_budget",
+    "plan",
+    "unwrap",
+    "wrap",
     "MemoryMeter",
     "MemoryReport",
     "OpGraph",

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zoomem.batch import Batch
 
-__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "SpanStat", "cpu_span_memory", "holder_bytes", "measure_step"]
+__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "holder_bytes", "measure_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -441,54 +441,3 @@ def _read_trace(profiler: torch.profiler.profile) -> tuple[list[tuple[int, int, 
         stack.extend(reversed(event.children))
     events.sort(key=lambda e: e[0])  # stable: ties keep the order above
     return events, marks
-
-
-@dataclass
-class SpanStat:
-    """Bytes live at a span's start and end, and its peak, all relative to the profiled window's start."""
-
-    start_bytes: int
-    peak_bytes: int
-    end_bytes: int
-
-
-def cpu_span_memory(profiler: torch.profiler.profile, prefix: str) -> dict[str, SpanStat]:
-    """Per ``record_function`` span named ``prefix + key``: CPU bytes live at its start, peak and end.
-
-    The tracer wraps each op of a traced step in such a span, which gives the planner the step's measured
-    memory timeline op by op (scratch buffers included). Counting follows :class:`MemoryMeter`: only blocks
-    allocated inside the window count. Spans must not overlap (the ops of one thread don't).
-    """
-    events, _ = _read_trace(profiler)
-    spans: list[tuple[int, int, str]] = []
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.name.startswith(prefix):
-            spans.append((event.start_time_ns, event.end_time_ns, event.name[len(prefix) :]))
-        stack.extend(event.children)
-    spans.sort()
-    out: dict[str, SpanStat] = {}
-    live: dict[int, int] = {}
-    held = 0
-    i = 0
-    for start, end, key in spans:
-        while i < len(events) and events[i][0] < start:
-            held = _apply(events[i], live, held)
-            i += 1
-        before = peak = held
-        while i < len(events) and events[i][0] <= end:
-            held = _apply(events[i], live, held)
-            peak = max(peak, held)
-            i += 1
-        out[key] = SpanStat(before, peak, held)
-    return out
-
-
-def _apply(event: tuple[int, int, int], live: dict[int, int], held: int) -> int:
-    _, size, ptr = event
-    if size > 0:
-        held -= live.get(ptr, 0)
-        live[ptr] = size
-        return held + size
-    return held - live.pop(ptr, 0)

@@ -11,6 +11,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .timeline import SegmentStat
+
 __all__ = ["TensorInfo", "OpNode", "UnitInfo", "OpGraph", "OUTSIDE"]
 
 OUTSIDE = "(outside units)"
@@ -39,12 +41,7 @@ class TensorInfo:
 
 @dataclass
 class OpNode:
-    """One aten op of the step, in execution order (forward ops first, then backward ops).
-
-    ``mem_before`` / ``mem_peak`` / ``mem_after`` are the bytes the step held (above what existed before it)
-    when the op started, at its peak (scratch included) and when it returned, as measured; -1 when the trace
-    ran without memory measurement.
-    """
+    """One aten op of the step, in execution order (forward ops first, then backward ops)."""
 
     index: int
     name: str
@@ -57,9 +54,6 @@ class OpNode:
     saved: list[int] = field(default_factory=list)
     flops: int = 0
     time_s: float = 0.0
-    mem_before: int = -1
-    mem_peak: int = -1
-    mem_after: int = -1
 
 
 @dataclass
@@ -96,6 +90,7 @@ class OpGraph:
             outputs); their bytes are what the meter sees held at the end of forward.
         saved_storages: the subset saved by autograd.
         fixed_bytes: parameters, buffers and batch (bytes that exist before the step).
+        timeline: the plain step's measured memory, segment by segment (empty when not measured).
     """
 
     model: str
@@ -111,6 +106,7 @@ class OpGraph:
     fixed_bytes: int = 0
     param_bytes: int = 0
     step_time_s: float = 0.0
+    timeline: list[SegmentStat] = field(default_factory=list)
 
     # ----------------------------------------------------------------- derived figures
     @property
@@ -209,6 +205,7 @@ class OpGraph:
         d["tensors"] = {t["id"]: TensorInfo(**t) for t in d["tensors"]}
         d["storages"] = {int(k): int(v) for k, v in d["storages"]}
         d["units"] = [UnitInfo(**u) for u in d["units"]]
+        d["timeline"] = [SegmentStat(**t) for t in d.get("timeline", [])]
         return cls(**d)
 
     @classmethod

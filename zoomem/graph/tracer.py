@@ -35,12 +35,12 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..ops import op_spec
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
+from .timeline import SegmentStat, measure_timeline
 
 __all__ = ["trace", "TraceError"]
 
 logger = logging.getLogger(__name__)
 
-_SPAN = "zoomem::op::"
 
 
 class TraceError(RuntimeError):
@@ -80,9 +80,6 @@ class _State:
     backward_module: str = ""
     failed_op: str | None = None
     sync_cuda: bool = False
-    mem: str | None = None  # "cpu": profiler spans per op; "cuda": allocator statistics per op
-    cuda_base: int = 0
-    cuda_mem: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class _Ids:
@@ -168,23 +165,11 @@ class _OpRecorder(TorchDispatchMode):
         index = len(st.ops)
         if st.sync_cuda:
             torch.cuda.synchronize()
-        if st.mem == "cuda":
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        if st.mem == "cpu":
-            with torch.profiler.record_function(f"{_SPAN}{index}"):
-                out = func(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs)
         if st.sync_cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if st.mem == "cuda":
-            base = st.cuda_base
-            st.cuda_mem[index] = (
-                before - base, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
-            )
         st.failed_op = None
         in_ids = [self.ids.tensor(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out_ids = [
@@ -317,9 +302,9 @@ def trace(
         adapter: an adapter (or its name) instead of the one that matches.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
         train: trace in training mode (dropout and BatchNorm as in training); the mode is restored after.
-        memory: measure the bytes live around every op (CPU: profiler allocator trace; CUDA: allocator
-            statistics), the timeline the planner predicts peaks from. Skipped, with a log line, when a
-            profiler or :class:`~zoomem.MemoryMeter` is already running.
+        memory: run the step a second time, plainly, to measure its memory timeline unit by unit (CPU:
+            profiler allocator trace; CUDA: allocator statistics), the figures the planner predicts peaks
+            from. Skipped, with a log line, when a profiler or :class:`~zoomem.MemoryMeter` is running.
 
     Returns:
         The graph. The model's parameters, gradients, buffers, mode and the RNG state are as before.
@@ -394,7 +379,6 @@ def trace(
     was_training = model.training
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     handles = []
-    profiler = None
     t_start = time.perf_counter()
     try:
         with ExitStack() as stack:
@@ -408,9 +392,6 @@ def trace(
             for mod in model.modules():
                 handles.append(mod.register_forward_pre_hook(pre_hook))
                 handles.append(mod.register_forward_hook(post_hook))
-            profiler = _memory_profiler(state, device, memory)
-            if profiler is not None:
-                stack.enter_context(profiler)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             stack.enter_context(_OpRecorder(state, ids))
             with spans:
@@ -429,8 +410,13 @@ def trace(
             }
             n_forward = len(state.ops)
             state.phase = "backward"
-            del output
+            # the output stays alive through backward, as in an ordinary training loop
             loss.backward()
+            del output, loss
+        for h in handles:
+            h.remove()
+        handles.clear()
+        timeline = _plain_timeline(model, batch, loss_fn, units, buffers, saved_buffers, params, rng_devices) if memory else []
     except TraceError:
         raise
     except Exception as e:
@@ -453,7 +439,6 @@ def trace(
             p.grad = g
         model.train(was_training)
     step_time = time.perf_counter() - t_start
-    _fill_memory(state, profiler)
 
     role = {}
     for t in state.tensors.values():
@@ -474,6 +459,7 @@ def trace(
         fixed_bytes=sum(fixed.values()),
         param_bytes=param_bytes,
         step_time_s=step_time,
+        timeline=timeline,
     )
     alive = set(saved_storages)
     counted: dict[str, set[int]] = {}
@@ -488,36 +474,29 @@ def trace(
     return graph
 
 
-def _memory_profiler(state: _State, device: torch.device, wanted: bool) -> Any:
-    """Choose how op memory is measured; on CPU return the profiler to run the step under."""
+def _plain_timeline(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[Any, Batch], torch.Tensor],
+    units: list[Unit],
+    buffers: list[torch.Tensor],
+    saved_buffers: list[torch.Tensor],
+    params: list[torch.Tensor],
+    rng_devices: list[int],
+) -> list[SegmentStat]:
+    """The same step again, plain and from the same state, under the memory meter (see graph/timeline.py)."""
     from .. import measure
 
-    if not wanted:
-        return None
     if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
-        logger.info("trace: a profiler or MemoryMeter is running, so ops are traced without memory figures")
-        return None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        state.mem, state.cuda_base = "cuda", torch.cuda.memory_allocated()
-        return None
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    state.mem = "cpu"
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-
-def _fill_memory(state: _State, profiler: Any) -> None:
-    if state.mem == "cuda":
-        stats = state.cuda_mem
-    elif state.mem == "cpu" and profiler is not None:
-        from ..measure import cpu_span_memory
-
-        stats = {int(k): (v.start_bytes, v.peak_bytes, v.end_bytes) for k, v in cpu_span_memory(profiler, _SPAN).items()}
-    else:
-        return
-    for op in state.ops:
-        if op.index in stats:
-            op.mem_before, op.mem_peak, op.mem_after = stats[op.index]
+        logger.info("trace: a profiler or MemoryMeter is running, so the step's memory timeline is not measured")
+        return []
+    with torch.no_grad():
+        for b, old in zip(buffers, saved_buffers):
+            b.copy_(old)
+    for p in params:
+        p.grad = None
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
+        return measure_timeline(model, batch, loss_fn, units)
 
 
 def _dedupe_across_units(graph: OpGraph, counted: dict[str, set[int]]) -> None:

@@ -1,0 +1,162 @@
+"""zoomem.wrap on the zoo matrix: exact gradients, peaks within budget, truthful predictions, clean undo."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zoomem
+from zoomem import zoo
+from zoomem.planner import Decision, InfeasibleBudgetError, Plan, parse_budget
+
+
+def _step(model: nn.Module, adapter, batch: zoomem.Batch, seed: int = 0):
+    torch.manual_seed(seed)
+    with zoomem.MemoryMeter(model, batch) as meter:
+        out = batch.call(model)
+        loss = adapter.loss(model, batch, out)
+        meter.mark("forward")
+        loss.backward()
+        meter.mark("backward")
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    r = meter.report
+    return loss.detach(), grads, max(r.phases["forward"].peak_bytes, r.phases["backward"].peak_bytes)
+
+
+@pytest.mark.parametrize("model_id", zoo.ZOO_MATRIX)
+def test_budgets_exact_gradients_and_true_peaks(model_id: str) -> None:
+    model, adapter, batch = zoo.small(model_id)
+    initial = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, ref_peak = _step(reference, adapter, batch)
+    ref_state = reference.state_dict()
+
+    baseline = zoomem.plan(model, batch, None, adapter=adapter).baseline_peak_bytes
+    assert abs(baseline - ref_peak) <= 0.05 * ref_peak
+    with pytest.raises(InfeasibleBudgetError) as err:
+        zoomem.plan(model, batch, 0.05, adapter=adapter)
+    smallest = err.value.min_budget
+    assert f"{smallest / 2**20:.1f} MiB" in str(err.value)
+    assert smallest <= baseline
+
+    budgets = {"min": smallest}
+    if baseline >= smallest:
+        budgets["100%"] = baseline
+    if 0.6 * baseline >= smallest:
+        budgets["60%"] = int(0.6 * baseline)
+    else:  # 60% is below what any plan reaches for this (small) model: the error must say so
+        with pytest.raises(InfeasibleBudgetError):
+            zoomem.plan(model, batch, 0.6, adapter=adapter)
+
+    for name, budget in budgets.items():
+        model.load_state_dict(initial)
+        zoomem.wrap(model, budget, adapter=adapter, batch=batch)
+        plan = next(iter(model._zoomem.plans.values()))
+        loss, grads, peak = _step(model, adapter, batch)
+        zoomem.unwrap(model)
+        # recomputation ran BatchNorm again: running statistics must still advance once per step
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, ref_state[k]), f"{model_id} @ {name}: {k} differs after the step"
+        assert torch.equal(loss, ref_loss), f"{model_id} @ {name}: loss differs"
+        for k, g in ref_grads.items():
+            assert torch.equal(grads[k], g), f"{model_id} @ {name}: gradient of {k} differs"
+        assert peak <= budget, f"{model_id} @ {name}: measured {peak} B over the budget {budget} B"
+        assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak, (
+            f"{model_id} @ {name}: predicted {plan.predicted_peak_bytes} B, measured {peak} B"
+        )
+        if name == "min" and smallest < 0.99 * baseline:
+            assert any(u.decision != Decision.KEEP for u in plan.units)
+
+
+def test_state_dict_optimizer_and_unwrap_unchanged() -> None:
+    model, adapter, batch = zoo.small("timm/resnet18")
+    reference = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict())
+    zoomem.wrap(model, "1TiB", strategy="all", adapter=adapter)
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
+    reference.load_state_dict(model.state_dict())  # checkpoints load into each other
+    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_b = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for step in range(3):
+        for m, opt in ((model, opt_a), (reference, opt_b)):
+            torch.manual_seed(step)
+            loss = adapter.loss(m, batch, batch.call(m))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert any(u.decision == Decision.RECOMPUTE for p in model._zoomem.plans.values() for u in p.units)
+    zoomem.unwrap(model)
+    assert "forward" not in model.__dict__ and not zoomem.is_wrapped(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_eval_no_grad_and_new_shapes(caplog: pytest.LogCaptureFixture) -> None:
+    model, adapter, batch = zoo.small("hf/bert-base-uncased")
+    zoomem.wrap(model, strategy="all", adapter=adapter)
+    model.eval()
+    with torch.no_grad():
+        out = batch.call(model)
+    assert model._zoomem.plans == {}, "eval / no_grad must not plan"
+    model.train()
+    with torch.no_grad():
+        batch.call(model)
+    assert model._zoomem.plans == {}
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        adapter.loss(model, batch, batch.call(model)).backward()
+        longer = adapter.example_batch(model, 2, seq_len=96)
+        adapter.loss(model, batch, batch.call(model)).backward()  # same signature: cached
+        assert len(model._zoomem.plans) == 1
+        adapter.loss(model, longer, longer.call(model)).backward()
+    assert len(model._zoomem.plans) == 2
+    assert sum("new input signature" in r.message for r in caplog.records) == 2
+    assert out.logits.shape[0] == 2
+
+
+def test_wrap_twice_warns_and_disabled_runs_original() -> None:
+    model, adapter, batch = zoo.small("timm/resnet18")
+    zoomem.wrap(model, strategy="all", adapter=adapter)
+    with pytest.warns(UserWarning, match="already wrapped"):
+        zoomem.wrap(model, strategy="all", adapter=adapter)
+    with zoomem.disabled(model):
+        adapter.loss(model, batch, batch.call(model)).backward()
+    assert model._zoomem.plans == {}
+    zoomem.unwrap(model)
+
+
+def test_plan_json_summary_and_strategies() -> None:
+    model, adapter, batch = zoo.small("timm/resnet50", batch_size=16)  # activations matter at this size
+    plans = {s: zoomem.plan(model, batch, None, strategy=s, adapter=adapter) for s in ("none", "all", "sqrt")}
+    assert all(u.decision == Decision.KEEP for u in plans["none"].units)
+    assert all(u.decision == Decision.RECOMPUTE for u in plans["all"].units)
+    assert plans["all"].predicted_peak_bytes < plans["none"].predicted_peak_bytes
+    assert plans["all"].recompute_s > plans["sqrt"].recompute_s > 0
+    budget = (plans["none"].predicted_peak_bytes + plans["all"].predicted_peak_bytes) // 2
+    ilp = zoomem.plan(model, batch, budget, adapter=adapter)
+    greedy = zoomem.plan(model, batch, budget, strategy="greedy", adapter=adapter)
+    assert ilp.predicted_peak_bytes <= budget and greedy.predicted_peak_bytes <= budget
+    assert ilp.recompute_s <= greedy.recompute_s + 1e-9  # the ILP is warm-started from greedy
+    assert ilp.lp_bound is not None and ilp.lp_bound <= ilp.recompute_s + 1e-9
+    assert Plan.from_json(ilp.to_json()) == ilp
+    text = ilp.summary()
+    assert "layer1.0" in text and "predicted peak" in text
+    with pytest.raises(ValueError, match="Could not resolve strategy"):
+        zoomem.plan(model, batch, None, strategy="magic", adapter=adapter)
+
+
+def test_parse_budget() -> None:
+    assert parse_budget("6GiB") == 6 * 1024**3
+    assert parse_budget("512 MB") == 512 * 1000**2
+    assert parse_budget(1234) == 1234
+    assert parse_budget(0.5, baseline_peak=2000) == 1000
+    assert parse_budget("60%", baseline_peak=1000) == 600
+    for bad in ("lots", -1, 1.5, "6 parsecs"):
+        with pytest.raises(ValueError):
+            parse_budget(bad, baseline_peak=10)

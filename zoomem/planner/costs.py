@@ -1,0 +1,261 @@
+"""The planner's cost model: the measured memory timeline of a traced step, and how each decision moves it.
+
+The step is cut into segments: the stem (ops before the first unit), one segment per unit, and the head (ops
+after the last unit, the loss and its backward). For every segment the trace gives the measured peak of its
+forward ops, the peak of its backward ops, and the bytes live when its backward starts. A plan changes these
+only through which storages stay held between forward and backward, so every memory point is
+
+    measured peak at that point  +  sum over storages s of  c(s, point) * h(s)  +  constant,
+
+linear in the 0-1 "held" indicator h(s) of each storage, itself bounded below by the unit decisions:
+a storage is held if a unit that keeps its tensors saves it, if it is the input of a recomputed unit (the
+checkpoint keeps its inputs), or if a unit recomputing only its cheap ops keeps it as a matmul/conv output.
+That is MONeT's stage-by-node formulation in bytes we measured rather than estimated, linear in the number of
+units and storages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..graph import OUTSIDE, OpGraph
+from ..graph.model import is_activation
+from .plan import Decision
+
+__all__ = ["CostModel", "EXPENSIVE_KINDS"]
+
+EXPENSIVE_KINDS = frozenset({"matmul", "conv", "attention", "embedding"})
+"""Op kinds whose outputs ``RECOMPUTE_CHEAP`` keeps: recomputing them costs most of a unit's time."""
+
+
+@dataclass
+class _Storage:
+    sid: int
+    nbytes: int
+    base_held: bool  # held at the end of forward in plain PyTorch
+    pinned: bool  # held whatever the plan (saved outside units, or an output)
+    savers: set[int] = field(default_factory=set)  # unit segments whose ops save it
+    input_of: set[int] = field(default_factory=set)  # unit segments that take it as input
+    cheap_kept_by: set[int] = field(default_factory=set)  # unit segments that keep it under RECOMPUTE_CHEAP
+    last_forward_use: int = 0
+
+
+@dataclass
+class _Point:
+    phase: str  # "forward", "backward" or "recompute"
+    seg: int
+    measured: int  # bytes above the step's start, measured in the plain step
+
+
+@dataclass
+class CostModel:
+    """Memory points and per-unit costs of one traced step (see the module docstring)."""
+
+    units: list[str]
+    fixed_bytes: int
+    storages: list[_Storage]
+    points: list[_Point]
+    recompute_s: dict[str, float]
+    recompute_cheap_s: dict[str, float]
+    transient: dict[int, int]
+    saved_bytes: dict[str, int]
+    step_s: float
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_graph(cls, graph: OpGraph) -> "CostModel":
+        if not graph.timeline:
+            raise ValueError(
+                "This trace has no memory timeline (it ran inside a profiler or MemoryMeter, or with memory=False); "
+                "trace again outside any profiler to plan."
+            )
+        units = [u.name for u in graph.units if u.name != OUTSIDE]
+        seg_of_unit = {name: i + 1 for i, name in enumerate(units)}
+        head = len(units) + 1
+
+        unit_ops = [op.index for op in graph.forward_ops if op.unit in seg_of_unit]
+        first, last = (min(unit_ops), max(unit_ops)) if unit_ops else (0, -1)
+        fwd_seg: dict[int, int] = {}
+        current = 0
+        for op in graph.forward_ops:
+            if op.unit in seg_of_unit:
+                current = seg_of_unit[op.unit]
+                fwd_seg[op.index] = current
+            else:  # stem before the first unit, head after the last, else the unit it runs between
+                fwd_seg[op.index] = 0 if op.index < first else head if op.index > last else current
+
+        bwd_seg: dict[int, int] = {}
+        seen_unit = False
+        for op in graph.backward_ops:
+            if op.unit in seg_of_unit:
+                seen_unit = True
+                bwd_seg[op.index] = seg_of_unit[op.unit]
+            else:  # the head's backward runs before any unit's, the stem's after
+                bwd_seg[op.index] = 0 if seen_unit else head
+
+        role: dict[int, str] = {}
+        for t in graph.tensors.values():
+            role.setdefault(t.storage, t.role)
+        saved = set(graph.saved_storages)
+        held = set(graph.held_storages)
+        storages: dict[int, _Storage] = {}
+
+        def get(sid: int) -> _Storage:
+            if sid not in storages:
+                storages[sid] = _Storage(sid, graph.storages[sid], sid in held, sid in held - saved)
+            return storages[sid]
+
+        producer_seg: dict[int, int] = {}
+        for op in graph.forward_ops:
+            seg = fwd_seg[op.index]
+            for t in op.outputs:
+                sid = graph.tensors[t].storage
+                producer_seg.setdefault(sid, seg)
+            for t in op.inputs:
+                sid = graph.tensors[t].storage
+                if sid in storages or is_activation(role.get(sid, "external")):
+                    s = get(sid)
+                    s.last_forward_use = max(s.last_forward_use, seg)
+            for t in op.saved:
+                sid = graph.tensors[t].storage
+                if sid not in saved:
+                    continue
+                s = get(sid)
+                if op.unit in seg_of_unit:
+                    s.savers.add(seg)
+                else:  # saved by code outside every unit (stem, head, between units): never recomputed
+                    s.pinned = True
+            if op.unit in seg_of_unit and op.kind in EXPENSIVE_KINDS:
+                for t in op.outputs:
+                    sid = graph.tensors[t].storage
+                    if is_activation(role.get(sid, "external")):
+                        get(sid).cheap_kept_by.add(seg)
+        for u in graph.units:
+            if u.name not in seg_of_unit:
+                continue
+            for sid in u.input_storages:
+                if is_activation(role.get(sid, "external")):
+                    get(sid).input_of.add(seg_of_unit[u.name])
+        for s in storages.values():
+            s.last_forward_use = max(s.last_forward_use, producer_seg.get(s.sid, 0))
+
+        points: list[_Point] = []
+        transient: dict[int, int] = {}
+        unit_time = {seg: 0.0 for seg in range(head + 1)}
+        for seg in range(head + 1):
+            f = [t for t in graph.timeline if t.seg == seg and t.phase == "forward"]
+            b = [t for t in graph.timeline if t.seg == seg and t.phase == "backward"]
+            if f:
+                points.append(_Point("forward", seg, max(t.peak_bytes for t in f)))
+                transient[seg] = f[0].peak_bytes - f[0].start_bytes  # the unit's own forward, run again
+                unit_time[seg] = f[0].time_s
+            if b:
+                points.append(_Point("backward", seg, max(t.peak_bytes for t in b)))
+                points.append(_Point("recompute", seg, b[0].start_bytes))
+
+        # RECOMPUTE_CHEAP caches matmul/conv outputs; a unit that later mutates one in place cannot use it
+        cached = {seg: set() for seg in range(1, len(units) + 1)}
+        mutated = {seg: set() for seg in range(1, len(units) + 1)}
+        for op in graph.forward_ops:
+            seg = fwd_seg[op.index]
+            if op.unit not in seg_of_unit:
+                continue
+            if op.kind in EXPENSIVE_KINDS:
+                cached[seg].update(graph.tensors[t].storage for t in op.outputs)
+            if op.name.split(".")[1].endswith("_") and op.inputs:
+                mutated[seg].add(graph.tensors[op.inputs[0]].storage)
+        cheap_ok = {units[seg - 1]: not (cached[seg] & mutated[seg]) for seg in cached}
+
+        # recompute time: the unit's forward as measured in the plain run; the cheap share from the traced ops
+        op_time = {name: 0.0 for name in units}
+        op_cheap = {name: 0.0 for name in units}
+        for op in graph.forward_ops:
+            if op.unit in op_time:
+                op_time[op.unit] += op.time_s
+                if op.kind not in EXPENSIVE_KINDS:
+                    op_cheap[op.unit] += op.time_s
+        times = {u: unit_time[seg_of_unit[u]] for u in units}
+        cheap = {u: times[u] * op_cheap[u] / op_time[u] if op_time[u] > 0 else 0.0 for u in units}
+        return cls(
+            units=units,
+            fixed_bytes=graph.fixed_bytes,
+            storages=list(storages.values()),
+            points=points,
+            recompute_s=times,
+            recompute_cheap_s={u: t if cheap_ok[u] else float("inf") for u, t in cheap.items()},
+            transient=transient,
+            saved_bytes={u.name: u.saved_bytes for u in graph.units if u.name in seg_of_unit},
+            step_s=sum(t.time_s for t in graph.timeline),
+        )
+
+    # ------------------------------------------------------------------ the linear model
+    def coefficients(self, point: _Point) -> list[tuple[_Storage, int]]:
+        """(storage, c) pairs: the point's bytes move by c * (h(s) - base_held(s))."""
+        out = []
+        k = point.seg
+        for s in self.storages:
+            if s.pinned:
+                continue
+            if point.phase == "forward":
+                alive = k > s.last_forward_use
+            else:
+                needed_by = s.savers | s.input_of | s.cheap_kept_by
+                alive = bool(needed_by) and k >= min(needed_by)
+                if point.phase == "backward" and (k in s.savers or k in s.cheap_kept_by):
+                    alive = False  # kept, or rematerialised for this unit's own backward
+            if alive:
+                out.append((s, s.nbytes))
+        return out
+
+    def _coefficients(self, point: _Point) -> list[tuple[_Storage, int]]:
+        cache = self.__dict__.setdefault("_coef_cache", {})
+        key = (point.phase, point.seg)
+        if key not in cache:
+            cache[key] = self.coefficients(point)
+        return cache[key]
+
+    def held(self, s: _Storage, decisions: dict[str, Decision]) -> bool:
+        if s.pinned:
+            return True
+        for seg in s.savers:
+            if decisions.get(self.units[seg - 1], Decision.KEEP) == Decision.KEEP:
+                return True
+        for seg in s.input_of:
+            if decisions.get(self.units[seg - 1], Decision.KEEP) != Decision.KEEP:
+                return True
+        for seg in s.cheap_kept_by:
+            if decisions.get(self.units[seg - 1], Decision.KEEP) == Decision.RECOMPUTE_CHEAP:
+                return True
+        return False
+
+    def point_bytes(self, point: _Point, decisions: dict[str, Decision]) -> int:
+        total = point.measured
+        for s, c in self._coefficients(point):
+            total += c * (int(self.held(s, decisions)) - int(s.base_held))
+        if point.phase == "recompute" and 1 <= point.seg <= len(self.units):
+            if decisions.get(self.units[point.seg - 1], Decision.KEEP) != Decision.KEEP:
+                total += self.transient.get(point.seg, 0)
+        return total
+
+    def peak(self, decisions: dict[str, Decision]) -> int:
+        """Predicted forward+backward peak (fixed bytes included) of a set of unit decisions."""
+        return self.fixed_bytes + max((self.point_bytes(p, decisions) for p in self.points), default=0)
+
+    def recompute_time(self, decisions: dict[str, Decision]) -> float:
+        total = 0.0
+        for name, d in decisions.items():
+            if d == Decision.RECOMPUTE:
+                total += self.recompute_s.get(name, 0.0)
+            elif d == Decision.RECOMPUTE_CHEAP:
+                total += self.recompute_cheap_s.get(name, 0.0)
+        return total
+
+    def kept_bytes(self, unit: str, decisions: dict[str, Decision]) -> int:
+        """Bytes held at the end of forward on account of ``unit`` (its saved tensors, or its inputs)."""
+        seg = self.units.index(unit) + 1
+        total = 0
+        for s in self.storages:
+            owners = s.savers | s.input_of | s.cheap_kept_by
+            if seg in owners and min(owners) == seg and self.held(s, decisions) and not s.pinned:
+                total += s.nbytes
+        return total

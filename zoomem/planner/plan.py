@@ -1,0 +1,183 @@
+"""The Plan: what to do with each unit's saved tensors, and what the planner promises about memory."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Decision", "Plan", "UnitPlan", "parse_budget", "InfeasibleBudgetError"]
+
+_MIB = 1024**2
+
+
+class Decision(str, enum.Enum):
+    """What happens to a unit's saved tensors between forward and backward."""
+
+    KEEP = "keep"
+    """Autograd keeps them, as plain PyTorch does."""
+    RECOMPUTE = "recompute"
+    """Only the unit's inputs are kept; its forward runs again in backward (non-reentrant checkpoint)."""
+    RECOMPUTE_CHEAP = "recompute_cheap"
+    """Outputs of matmul/conv/attention ops are kept; the cheap ops between them run again in backward."""
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the budget; ``min_budget`` is the smallest budget that has one."""
+
+    def __init__(self, message: str, min_budget: int) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+
+@dataclass
+class UnitPlan:
+    """One unit's decision and what it costs: bytes kept at the end of forward, seconds of recompute."""
+
+    name: str
+    decision: Decision
+    kept_bytes: int = 0
+    recompute_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.decision = Decision(self.decision)
+
+
+@dataclass
+class Plan:
+    """A memory plan for one model and input signature, produced by a strategy (``ilp`` or a baseline).
+
+    Attributes:
+        strategy: ``ilp``, ``none``, ``all``, ``sqrt`` or ``greedy``.
+        units: per-unit decisions, in forward order.
+        budget_bytes: the budget the plan was made for (None: no budget).
+        fixed_bytes: bytes that exist before the step (parameters, buffers, batch, optimizer state).
+        predicted_peak_bytes: the peak of forward+backward the plan predicts (fixed bytes included).
+        baseline_peak_bytes: the same prediction for plain PyTorch.
+        recompute_s: predicted extra seconds per step.
+        step_s: measured seconds of the traced step's ops (for the overhead ratio).
+        solver: solver name and status, ``lp_bound`` the LP relaxation's objective, ``solve_s`` the time.
+    """
+
+    strategy: str
+    units: list[UnitPlan]
+    budget_bytes: int | None
+    fixed_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    recompute_s: float = 0.0
+    step_s: float = 0.0
+    solver: str = ""
+    status: str = "optimal"
+    lp_bound: float | None = None
+    solve_s: float = 0.0
+    signature: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def decision(self, unit: str) -> Decision:
+        for u in self.units:
+            if u.name == unit:
+                return u.decision
+        return Decision.KEEP
+
+    @property
+    def decisions(self) -> dict[str, Decision]:
+        return {u.name: u.decision for u in self.units}
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step time with the plan over without it."""
+        return 1.0 + self.recompute_s / self.step_s if self.step_s > 0 else float("nan")
+
+    def summary(self) -> str:
+        """Per unit: decision, bytes kept, recompute cost; then the predicted peak against plain PyTorch."""
+        head = f"{'unit':<34} {'decision':<16} {'kept MiB':>9} {'recompute ms':>13}"
+        lines = [
+            f"zoomem plan ({self.strategy}{', ' + self.solver if self.solver else ''}, status {self.status}, "
+            f"solved in {self.solve_s:.2f} s)",
+            head,
+            "-" * len(head),
+        ]
+        for u in self.units:
+            lines.append(
+                f"{u.name[:34]:<34} {u.decision.value:<16} {u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
+            )
+        lines.append("-" * len(head))
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / _MIB:.1f} MiB"
+        lines.append(
+            f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB (plain PyTorch {self.baseline_peak_bytes / _MIB:.1f}"
+            f" MiB, {self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1):.0%}); budget {budget}; "
+            f"fixed {self.fixed_bytes / _MIB:.1f} MiB; predicted overhead {self.overhead:.3f}x"
+            + (f"; LP bound {1e3 * self.lp_bound:.2f} ms" if self.lp_bound is not None else "")
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["units"] = [dict(u, decision=Decision(u["decision"]).value) for u in d["units"]]
+        d["_type"] = "Plan"
+        from .. import __version__
+
+        d["zoomem_version"] = __version__
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if d.get("_type") != "Plan":
+            raise ValueError(f"Not a Plan dict (its _type is {d.get('_type')!r}).")
+        d = {k: v for k, v in d.items() if k not in ("_type", "zoomem_version")}
+        d["units"] = [UnitPlan(**u) for u in d["units"]]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4, "t": 1000**4}
+
+
+def parse_budget(budget: int | float | str | None, baseline_peak: int | None = None) -> int | None:
+    """Bytes from a budget given as bytes (int), a string (``"6GiB"``, ``"500 MB"``) or a fraction of the
+    plain-PyTorch peak (a float in (0, 1], needs ``baseline_peak``).
+
+    >>> parse_budget("1.5GiB")
+    1610612736
+    >>> parse_budget(0.5, baseline_peak=1000)
+    500
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, bool):
+        raise TypeError("budget must be bytes (int), a string such as '6GiB', or a fraction (float in (0, 1]).")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be positive, got {budget} bytes.")
+        return budget
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(
+                f"A float budget is a fraction of plain PyTorch's peak and must be in (0, 1], got {budget}; "
+                "give bytes as an int or a string such as '6GiB'."
+            )
+        if baseline_peak is None:
+            raise ValueError("A fractional budget needs the baseline peak (trace the model first).")
+        return int(budget * baseline_peak)
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if m and m.group(2).lower() in _UNITS:
+            return parse_budget(int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+        pct = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", budget)
+        if pct:
+            return parse_budget(float(pct.group(1)) / 100, baseline_peak)
+        raise ValueError(
+            f"Cannot read budget {budget!r}: use bytes with a unit ('6GiB', '512MiB', '8GB'), a percentage of "
+            "plain PyTorch's peak ('60%'), an int of bytes or a float fraction."
+        )
+    raise TypeError(f"budget must be an int, float or str, got {type(budget).__name__}.")

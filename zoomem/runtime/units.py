@@ -1,0 +1,68 @@
+"""Run one unit as its plan says: as is, or under a non-reentrant checkpoint (full or cheap-ops-only).
+
+Recomputation goes through ``torch.utils.checkpoint`` (``use_reentrant=False``, RNG state preserved so dropout
+masks match). Two traps it leaves to us, both handled here:
+- recomputing a unit that holds BatchNorm would update its running statistics a second time (timm's own
+  checkpointing does): the recompute context restores the unit's buffers afterwards;
+- ``RECOMPUTE_CHEAP`` keeps the outputs of matmul/conv/attention ops through selective checkpointing
+  (``create_selective_checkpoint_contexts``) and recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..ops import op_spec
+from ..planner import EXPENSIVE_KINDS, Decision
+
+__all__ = ["run_unit"]
+
+@contextlib.contextmanager
+def _restore_buffers(module: nn.Module) -> Iterator[None]:
+    """Put the unit's buffers back after recomputation: running statistics are updated once per step."""
+    buffers = [b for b in module.buffers() if b is not None]
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, old in zip(buffers, saved):
+                b.copy_(old)
+
+def _cheap_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op_spec(op).kind in EXPENSIVE_KINDS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+def _context_fn(module: nn.Module, decision: Decision) -> Callable[[], tuple[Any, Any]]:
+    def make() -> tuple[Any, Any]:
+        if decision == Decision.RECOMPUTE_CHEAP:
+            fwd, rec = create_selective_checkpoint_contexts(_cheap_policy)
+
+            @contextlib.contextmanager
+            def recompute() -> Iterator[None]:
+                with _restore_buffers(module), rec:
+                    yield
+
+            return fwd, recompute()
+        return contextlib.nullcontext(), _restore_buffers(module)
+
+    return make
+
+def run_unit(module: nn.Module, forward: Callable[..., Any], decision: Decision, args: tuple, kwargs: dict) -> Any:
+    """Call ``forward(*args, **kwargs)`` of ``module`` under ``decision``."""
+    if decision == Decision.KEEP or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(
+        forward,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=_context_fn(module, decision),
+        **kwargs,
+    )
