@@ -1,4 +1,4 @@
-"""The ``zoomem`` command: ``zoomem trace <model-id>``, ``zoomem demo``, ``zoomem models``."""
+"""The ``zoomem`` command: ``zoomem trace|plan <model-id>``, ``zoomem demo``, ``zoomem models``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,28 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import zoo
+    from .runtime import plan
+
+    torch.manual_seed(args.seed)
+    model, adapter = zoo.build(args.model, **_overrides(args.set))
+    model.to(args.device)
+    batch = adapter.example_batch(model, args.batch, **_sizes(args)).to(args.device)
+    budget: object = args.budget
+    if budget is not None and budget.replace(".", "", 1).isdigit():
+        budget = float(budget) if "." in budget else int(budget)
+    result = plan(model, batch, budget, strategy=args.strategy, adapter=adapter, time_limit=args.time_limit)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(f"== {args.model}")
+        print(result.summary())
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from . import zoo
 
@@ -111,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_trace, model=list(DEMO_MODELS))
 
+    p = sub.add_parser("plan", help="plan a training step under a memory budget and print the plan")
+    p.add_argument("model", help="model id: timm/resnet50, hf/bert-base-uncased, pyg/gcn, ...")
+    p.add_argument(
+        "--budget", default=None,
+        help="bytes with a unit ('6GiB', '512MiB'), a share of plain PyTorch's peak ('60%%' or 0.6), or bytes",
+    )
+    p.add_argument("--strategy", default="ilp", help="ilp (default), none, all, sqrt, greedy")
+    p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="solver seconds")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_size_flags(p, default_batch=8)
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("models", help="list the built-in model ids")
     p.set_defaults(func=cmd_models)
     return parser
@@ -121,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
-    except ValueError as e:  # unknown ids and bad overrides: the message says what to do
+    except ValueError as e:  # unknown ids, bad overrides, infeasible budgets: the message says what to do
         print(f"zoomem: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,5 +1,24 @@
-"""Operators: the registry of known aten/custom ops (and, with the planner, their memory-efficient forms)."""
+"""Operators: the registry of known aten/custom ops and the memory-efficient implementations the planner picks."""
 
+from . import functional
+from .impls import IMPLS, Impl, find_inplace_writers, impls_for, install_impl, installed_impl, register_impl
+from .packbits import pack_bool, unpack_bool
 from .registry import OPS, OpSpec, op_name, op_spec, register_op
 
-__all__ = ["OPS", "OpSpec", "op_name", "op_spec", "register_op"]
+__all__ = [
+    "IMPLS",
+    "OPS",
+    "Impl",
+    "OpSpec",
+    "find_inplace_writers",
+    "functional",
+    "impls_for",
+    "install_impl",
+    "installed_impl",
+    "op_name",
+    "op_spec",
+    "pack_bool",
+    "register_impl",
+    "register_op",
+    "unpack_bool",
+]

@@ -1,0 +1,560 @@
+"""zoomem.ops: packbits, the memory-efficient autograd Functions and the per-instance Impl registry (CPU)."""
+
+from __future__ import annotations
+
+import copy
+import io
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zoomem.ops import functional as Zf
+from zoomem.ops.impls import IMPLS, Impl, find_inplace_writers, impls_for, install_impl, installed_impl, register_impl
+from zoomem.ops.packbits import narrowest_uint, pack_bool, packed_nbytes, unpack_bool
+
+timm = pytest.importorskip("timm")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor], exclude: nn.Module) -> tuple[torch.Tensor, int]:
+    """Run ``fn`` and sum the storage bytes of what autograd saves (each storage once), parameters and buffers of
+    ``exclude`` left out (they are not activation memory)."""
+    skip = {t.untyped_storage().data_ptr() for t in (*exclude.parameters(), *exclude.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference of ``a`` from ``b``."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _rand_norm_params(m: nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("weight") and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias") and p.dim() == 1:
+                p.normal_()
+
+
+def llama_rmsnorm(dim: int) -> nn.Module:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(dim, eps=1e-6)
+
+
+def timm_bn_act(act: str) -> nn.Module:
+    from timm.layers import BatchNormAct2d
+
+    if act == "relu":
+        return BatchNormAct2d(8, act_layer=nn.ReLU)
+    if act == "leaky":
+        return BatchNormAct2d(8, act_layer=nn.LeakyReLU, act_kwargs={"negative_slope": 0.1})
+    return BatchNormAct2d(8, apply_act=False)
+
+
+@dataclass
+class Case:
+    """One Impl on one module. ``consumer`` follows the module (it saves the module's output, as a real next layer
+    does), so that output-activated norms show their saving. ``ratio``: expected saved bytes (impl / stock) in fp32
+    for ``x``'s shape; ``tol``: None = bitwise gradients, else the fp32 relative tolerance."""
+
+    impl: str
+    make: Callable[[], nn.Module]
+    shape: tuple[int, ...]
+    ratio: float
+    tol: float | None = None
+    consumer: Callable[[], nn.Module] | None = None
+    id: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ratios: 4-byte floats vs 1 bit -> 1/32; norms: stock saves input (+stats) and the consumer saves the output,
+# the impl saves only the output (shared) + stats; maxpool k3 s2 p1 on 16x16: stock 4*256 + 8*64 bytes per plane,
+# impl 64 bytes; split linear/conv: same saved tensors (the gain is the backward order, tested separately).
+CASES = [
+    Case("relu_bitmask", lambda: nn.ReLU(), (8, 256), 1 / 32, id="relu"),
+    Case("relu_bitmask", lambda: nn.ReLU(inplace=True), (8, 256), 1 / 32, id="relu_inplace"),
+    Case("hardtanh_bitmask", lambda: nn.ReLU6(), (8, 256), 1 / 32, id="relu6"),
+    Case("hardtanh_bitmask", lambda: nn.ReLU6(inplace=True), (8, 256), 1 / 32, id="relu6_inplace"),
+    Case("hardtanh_bitmask", lambda: nn.Hardtanh(-0.3, 1.7), (8, 256), 1 / 32, id="hardtanh"),
+    Case("leaky_relu_bitmask", lambda: nn.LeakyReLU(0.2), (8, 256), 1 / 32, id="leaky"),
+    Case("leaky_relu_bitmask", lambda: nn.LeakyReLU(0.2, inplace=True), (8, 256), 1 / 32, id="leaky_inplace"),
+    Case("threshold_bitmask", lambda: nn.Threshold(0.3, -1.0), (8, 256), 1 / 32, id="threshold"),
+    Case("dropout_bitmask", lambda: nn.Dropout(0.3), (8, 256), 1 / 32, id="dropout"),
+    Case("dropout_bitmask", lambda: nn.Dropout(0.3, inplace=True), (8, 256), 1 / 32, id="dropout_inplace"),
+    Case("batchnorm_output", lambda: nn.BatchNorm2d(8), (4, 8, 16, 16), 0.5, 1e-5,
+         lambda: nn.Conv2d(8, 4, 3, padding=1), id="bn2d"),
+    Case("batchnorm_output", lambda: nn.BatchNorm1d(8, momentum=None), (64, 8), 0.5, 1e-5,
+         lambda: nn.Linear(8, 4), id="bn1d_cumulative"),
+    Case("batchnorm_output", lambda: nn.BatchNorm2d(8, affine=False, track_running_stats=False), (4, 8, 16, 16),
+         0.5, 1e-5, lambda: nn.Conv2d(8, 4, 3, padding=1), id="bn2d_plain"),
+    Case("batchnorm_act_output", lambda: timm_bn_act("relu"), (4, 8, 16, 16), 1.0, 1e-5,
+         lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_relu"),
+    Case("batchnorm_act_output", lambda: timm_bn_act("leaky"), (4, 8, 16, 16), 0.5, 1e-5,
+         lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_leaky"),
+    Case("batchnorm_act_output", lambda: timm_bn_act("identity"), (4, 8, 16, 16), 0.5, 1e-5,
+         lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_identity"),
+    Case("layernorm_output", lambda: nn.LayerNorm(64), (4, 16, 64), 0.5, 1e-5, lambda: nn.Linear(64, 8), id="ln"),
+    Case("rmsnorm_output", lambda: llama_rmsnorm(64), (4, 16, 64), 1 / 3, 1e-5, lambda: nn.Linear(64, 8),
+         id="llama_rms"),
+    Case("maxpool2d_compact", lambda: nn.MaxPool2d(3, 2, 1), (2, 8, 16, 16), 64 / (4 * 256 + 8 * 64), id="maxpool"),
+    Case("maxpool2d_compact", lambda: nn.MaxPool2d(2, ceil_mode=True, dilation=2), (2, 8, 15, 15),
+         1 * 49 / (4 * 225 + 8 * 49), id="maxpool_dilated_ceil"),
+    Case("linear_split_backward", lambda: nn.Linear(64, 32), (4, 16, 64), 1.0, id="linear3d"),
+    Case("linear_split_backward", lambda: nn.Linear(64, 32, bias=False), (16, 64), 1.0, id="linear2d_nobias"),
+    Case("conv2d_split_backward", lambda: nn.Conv2d(8, 16, 3, stride=2, padding=1), (2, 8, 16, 16), 1.0, id="conv"),
+    Case("conv2d_split_backward", lambda: nn.Conv2d(8, 8, 3, padding=1, groups=4, bias=False), (2, 8, 16, 16), 1.0,
+         id="conv_grouped"),
+]
+
+
+def _build(case: Case, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    m = case.make()
+    _rand_norm_params(m)
+    seq = nn.Sequential(m, case.consumer()) if case.consumer is not None else nn.Sequential(m)
+    return seq.to(dtype).train()
+
+
+def _run(seq: nn.Module, x0: torch.Tensor, g_seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict, int]:
+    x = x0.detach().clone().requires_grad_(True)
+    torch.manual_seed(123)  # dropout draws
+    out, nbytes = saved_bytes(lambda: seq(x * 1), seq)  # x*1: a non-leaf input, so in-place modules may run
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)).to(out.dtype)
+    out.backward(g)
+    return out.detach(), x.grad, {n: p.grad for n, p in seq.named_parameters()}, nbytes
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_impl_matches_stock_fp32(case: Case) -> None:
+    stock = _build(case, torch.float32)
+    ours = copy.deepcopy(stock)
+    assert IMPLS[case.impl] in impls_for(ours[0])
+    install_impl(ours[0], case.impl)
+    x0 = torch.randn(case.shape, generator=torch.Generator().manual_seed(7)) * 2
+
+    y_s, gx_s, gp_s, bytes_s = _run(stock, x0)
+    y_o, gx_o, gp_o, bytes_o = _run(ours, x0)
+
+    assert y_o.dtype == y_s.dtype and torch.equal(y_o, y_s), "forward must be bitwise identical"
+    grads = [(gx_o, gx_s)] + [(gp_o[n], gp_s[n]) for n in gp_s]
+    for a, b in grads:
+        if case.tol is None:
+            assert torch.equal(a, b)
+        else:
+            assert rel(a, b) <= case.tol
+    for (n, b_s), (_, b_o) in zip(stock.named_buffers(), ours.named_buffers()):
+        assert torch.equal(b_s, b_o), f"buffer {n} differs after a step"
+    ratio = bytes_o / bytes_s
+    assert ratio == pytest.approx(case.ratio, rel=0.03, abs=2e-3), f"saved {bytes_o} vs stock {bytes_s} bytes"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_impl_matches_stock_bf16(case: Case) -> None:
+    stock = _build(case, torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    install_impl(ours[0], case.impl)
+    ref32 = copy.deepcopy(stock).float()  # the same bf16 weights, run in fp32: the accuracy yardstick
+    x0 = (torch.randn(case.shape, generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
+
+    y_s, gx_s, gp_s, _ = _run(stock, x0)
+    y_o, gx_o, gp_o, _ = _run(ours, x0)
+    assert y_o.dtype == torch.bfloat16 and torch.equal(y_o, y_s)
+    assert gx_o.dtype == torch.bfloat16 and all(gp_o[n].dtype == torch.bfloat16 for n in gp_o)
+    if case.tol is None:
+        assert torch.equal(gx_o, gx_s) and all(torch.equal(gp_o[n], gp_s[n]) for n in gp_s)
+        return
+    _, gx_r, gp_r, _ = _run(ref32, x0.float())
+    # not bitwise: at least as close to the fp32 result as the stock bf16 op is, up to one bf16 rounding
+    for a, b, r in [(gx_o, gx_s, gx_r)] + [(gp_o[n], gp_s[n], gp_r[n]) for n in gp_s]:
+        assert rel(a, r) <= 2 * rel(b, r) + 2**-8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# packbits
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_pack_bool_roundtrip(n: int) -> None:
+    m = torch.rand(n) > 0.4
+    packed, shape = pack_bool(m)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n) == (n + 7) // 8
+    assert torch.equal(unpack_bool(packed, shape), m)
+    m3 = (torch.rand(3, 5, 7) > 0.5).transpose(0, 2)  # non-contiguous: logical order
+    assert torch.equal(unpack_bool(*pack_bool(m3)), m3)
+    assert narrowest_uint(255) == torch.uint8 and narrowest_uint(256) == torch.int16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# functional details
+
+
+def test_inplace_relu_output_may_be_modified_later() -> None:
+    x0 = torch.randn(4, 32)
+    # stock: relu_ saves its output, so a later in-place op breaks backward
+    x = x0.clone().requires_grad_(True)
+    y = F.relu(x * 1, inplace=True)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+    # ours: only the mask is saved; the gradient is the one of the out-of-place program
+    x = x0.clone().requires_grad_(True)
+    y = Zf.relu(x * 1, inplace=True)
+    y.mul_(2)
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * (x0 > 0).float())
+
+
+def test_dropout_same_draws_as_stock() -> None:
+    x = torch.randn(64, 33)
+    for p in (0.1, 0.123, 0.5, 0.9):
+        torch.manual_seed(0)
+        a = F.dropout(x, p)
+        after_a = torch.rand(3)
+        torch.manual_seed(0)
+        b = Zf.dropout(x.requires_grad_(True), p)
+        after_b = torch.rand(3)
+        assert torch.equal(a, b.detach()) and torch.equal(after_a, after_b)
+        x = x.detach()
+    assert Zf.dropout(x, 0.0) is x or torch.equal(Zf.dropout(x, 0.0), x)
+
+
+def test_output_saving_norm_then_inplace_relu_runs_out_of_place() -> None:
+    bn, relu = nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+    _rand_norm_params(bn)
+    ref = nn.Sequential(copy.deepcopy(bn), copy.deepcopy(relu))
+    install_impl(bn, "batchnorm_output")
+    install_impl(relu, "relu_bitmask")
+    ours = nn.Sequential(bn, relu)
+    x0 = torch.randn(3, 4, 5, 5)
+    grads = []
+    for model in (ref, ours):
+        x = x0.clone().requires_grad_(True)
+        model(x).square().sum().backward()
+        grads.append(x.grad)
+    assert rel(grads[1], grads[0]) < 1e-5
+
+
+def test_output_saving_norm_modified_in_place_raises_clearly() -> None:
+    bn = nn.BatchNorm1d(4)
+    install_impl(bn, "batchnorm_output")
+    x = torch.randn(8, 4, requires_grad=True)
+    y = bn(x)
+    y += 1.0  # like `x += shortcut` in a ResNet block
+    with pytest.raises(RuntimeError, match="zoomem: batch_norm_act saves its output"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("which", ["bn", "ln", "rms"])
+def test_zero_gamma_falls_back_to_saving_the_input(which: str) -> None:
+    torch.manual_seed(0)
+    if which == "bn":
+        m, impl, shape = nn.BatchNorm2d(6), "batchnorm_output", (4, 6, 5, 5)
+    elif which == "ln":
+        m, impl, shape = nn.LayerNorm(6), "layernorm_output", (4, 5, 6)
+    else:
+        m, impl, shape = llama_rmsnorm(6), "rmsnorm_output", (4, 5, 6)
+    _rand_norm_params(m)
+    with torch.no_grad():
+        m.weight[1] = 0.0  # timm zero-inits the last BN of every residual block
+    ours = copy.deepcopy(m)
+    install_impl(ours, impl)
+    x0 = torch.randn(shape)
+    res = []
+    for model in (m, ours):
+        x = x0.clone().requires_grad_(True)
+        out, nbytes = saved_bytes(lambda: model(x), model)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        res.append((x.grad, model.weight.grad, nbytes))
+    assert torch.isfinite(res[1][0]).all() and torch.isfinite(res[1][1]).all()
+    assert rel(res[1][0], res[0][0]) < 1e-6 and rel(res[1][1], res[0][1]) < 1e-6
+    assert res[1][1][1] != 0  # the zero-gamma channel's gamma gradient needs the input: it is there
+    assert res[1][2] >= x0.numel() * 4  # the input is saved
+
+
+def test_maxpool_large_kernel_uses_wider_offsets() -> None:
+    x0 = torch.randn(1, 2, 40, 40)
+    a, b = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    F.max_pool2d(a, 17, 3).sum().backward()  # kernel area 289 > 256: int16 offsets
+    out, nbytes = saved_bytes(lambda: Zf.max_pool2d(b, 17, 3), nn.Module())
+    out.sum().backward()
+    assert torch.equal(a.grad, b.grad) and nbytes == out.numel() * 2
+
+
+def test_maxpool_channels_last() -> None:
+    x0 = torch.randn(2, 4, 11, 11).to(memory_format=torch.channels_last)
+    a, b = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    ya, yb = F.max_pool2d(a, 3, 2, 1), Zf.max_pool2d(b, 3, 2, 1)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+    assert b.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+class _LogMM(TorchDispatchMode):
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.log.append(("mm", tuple(out.shape)))
+        return out
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_linear_split_backward_frees_input_before_grad_input(split: bool) -> None:
+    import weakref
+
+    log: list = []
+
+    def pack(t: torch.Tensor) -> _Holder:
+        h = _Holder(t)
+        if t.shape == (64, 32):
+            weakref.finalize(h, log.append, ("released input",))
+        return h
+
+    x0 = torch.randn(64, 32, requires_grad=True)
+    lin = nn.Linear(32, 16)
+    if split:
+        install_impl(lin, "linear_split_backward")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+        y = lin(x0 * 2)  # the input is held by the linear layer alone
+    with _LogMM(log):
+        y.sum().backward()
+    if split:  # grad_weight (16x32), then the input is gone, then grad_input (64x32)
+        assert log == [("mm", (16, 32)), ("released input",), ("mm", (64, 32))]
+    else:  # stock: grad_input is allocated while the input is still held
+        assert log.index(("mm", (64, 32))) < log.index(("released input",))
+
+
+def test_linear_split_backward_lowers_measured_peak() -> None:
+    from zoomem.measure import MemoryMeter
+
+    peaks = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        lin = nn.Linear(1024, 64)
+        if split:
+            install_impl(lin, "linear_split_backward")
+        w = torch.randn(1, 1024, requires_grad=True)
+        with MemoryMeter(lin) as meter:
+            h = w.repeat(256, 1)  # 1 MiB, held only by the linear layer; its backward allocates little
+            y = lin(h)
+            del h
+            meter.mark("forward")
+            y.sum().backward()
+            meter.mark("backward")
+        peaks.append(meter.report.phases["backward"].peak_bytes)
+    assert peaks[0] - peaks[1] >= 256 * 1024 * 4 * 0.9  # |input| less
+
+
+def test_linear_under_cpu_autocast() -> None:
+    lin = nn.Linear(32, 16)
+    ours = copy.deepcopy(lin)
+    install_impl(ours, "linear_split_backward")
+    x0 = torch.randn(4, 32)
+    res = []
+    for model in (lin, ours):
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+        res.append((y, x.grad, model.weight.grad))
+    assert res[0][0].dtype == res[1][0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# registry and installation
+
+
+def test_impls_for_and_applies() -> None:
+    assert [i.name for i in impls_for(nn.ReLU())] == ["relu_bitmask"]
+    assert [i.name for i in impls_for(nn.ReLU6())] == ["hardtanh_bitmask"]
+    assert [i.name for i in impls_for(nn.BatchNorm2d(4))] == ["batchnorm_output"]
+    assert [i.name for i in impls_for(timm_bn_act("relu"))] == ["batchnorm_act_output"]
+    from timm.layers import BatchNormAct2d
+
+    assert impls_for(BatchNormAct2d(4, act_layer=nn.GELU)) == []  # GELU is not invertible: planner recomputes
+    assert impls_for(nn.MaxPool2d(2, return_indices=True)) == []
+    assert impls_for(nn.SyncBatchNorm(4)) == []
+    assert impls_for(nn.GELU()) == [] and impls_for(nn.SiLU()) == []
+
+    class MyReLU(nn.ReLU):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert impls_for(MyReLU()) == []  # overrides forward: not ours to replace
+    assert [i.name for i in impls_for(llama_rmsnorm(8))] == ["rmsnorm_output"]
+
+    class GemmaLikeRMSNorm(nn.Module):  # same attributes, different numbers: (1 + weight)
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (h * (1.0 + self.weight.float())).type_as(x)
+
+    assert impls_for(GemmaLikeRMSNorm()) == []
+    assert impls_for(nn.RMSNorm(8, eps=1e-6)) == []  # F.rms_norm: fused kernels elsewhere, not the HF op sequence
+
+
+def test_register_impl_refuses_duplicates() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_impl(Impl("relu_bitmask", (nn.ReLU,), lambda m, x: x))
+
+
+def test_install_undo_leaves_module_identical() -> None:
+    m = nn.BatchNorm2d(4)
+    calls = []
+    m.register_forward_hook(lambda mod, i, o: calls.append(1))
+    keys, dict_keys = list(m.state_dict()), set(m.__dict__)
+    undo = install_impl(m, "batchnorm_output")
+    assert list(m.state_dict()) == keys and [n for n, _ in m.named_parameters()] == ["weight", "bias"]
+    assert installed_impl(m) is IMPLS["batchnorm_output"]
+    m(torch.randn(2, 4, 3, 3, requires_grad=True))
+    assert calls == [1]  # hooks still run
+    with pytest.raises(ValueError, match="already runs"):
+        install_impl(m, "batchnorm_output")
+    with pytest.raises(ValueError, match="does not apply"):
+        install_impl(nn.ReLU(), "batchnorm_output")
+    with pytest.raises(KeyError, match="Unknown implementation"):
+        install_impl(nn.ReLU(), "nope")
+    undo()
+    assert set(m.__dict__) == dict_keys and installed_impl(m) is None and list(m.state_dict()) == keys
+    assert type(m).forward is nn.BatchNorm2d.forward  # the class was never touched
+    m(torch.randn(2, 4, 3, 3))
+    assert calls == [1, 1]
+
+
+def test_installed_model_deepcopies_and_pickles() -> None:
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    install_impl(m[0], "linear_split_backward")
+    install_impl(m[1], "relu_bitmask")
+    c = copy.deepcopy(m)
+    assert c[1].forward.args[0] is c[1]  # the copy's wrapper drives the copy
+    c(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert c[0].weight.grad is not None and m[0].weight.grad is None
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert installed_impl(loaded[1]).name == "relu_bitmask"
+
+
+def test_eval_and_no_grad_call_the_stock_forward() -> None:
+    calls = []
+    name = "test_counting_bn"
+    impl = IMPLS.get(name) or register_impl(
+        Impl(name, (nn.BatchNorm2d,), lambda m, x: (calls.append(1), IMPLS["batchnorm_output"].forward(m, x))[1])
+    )
+    m = nn.BatchNorm2d(4)
+    ref = copy.deepcopy(m)
+    install_impl(m, impl)
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    m.eval(), ref.eval()
+    assert torch.equal(m(x), ref(x)) and calls == []
+    m.train(), ref.train()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x)) and calls == []
+    with torch.inference_mode():
+        m(x)
+    assert calls == []
+    m(x.detach())  # nothing needs a gradient... but the BN parameters do
+    assert calls == [1]
+    for (n, a), (_, b) in zip(m.named_buffers(), ref.named_buffers()):
+        assert n != "num_batches_tracked" or int(a) == int(b) + 2
+    del IMPLS[name]
+
+
+def test_find_inplace_writers() -> None:
+    m = nn.Sequential(nn.BatchNorm1d(4), nn.ReLU(inplace=True))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert find_inplace_writers(m, torch.randn(3, 4)) == {"0": ["1"]}
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # running stats restored
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a real model
+
+
+def _resnet_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    out = model(x)
+    loss = out.logsumexp(-1).mean() + out.square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("everything", [False, True], ids=["relu_bn", "all_impls"])
+def test_timm_resnet18_gradients_match(everything: bool) -> None:
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", pretrained=False, num_classes=10).train()
+    for m in stock.modules():  # non-zero gammas everywhere (timm zero-inits each block's last BN)
+        if isinstance(m, nn.BatchNorm2d):
+            _rand_norm_params(m)
+    ours = copy.deepcopy(stock)
+    x = torch.randn(2, 3, 64, 64)
+
+    writers = find_inplace_writers(ours, x)
+    relus = {n for n, m in ours.named_modules() if isinstance(m, nn.ReLU)}
+    installed, skipped = [], []
+    for n, m in ours.named_modules():
+        if n in relus:
+            install_impl(m, "relu_bitmask")
+            installed.append(n)
+        elif isinstance(m, nn.BatchNorm2d):
+            # safe when nothing but a bitmask ReLU (which then runs out of place) writes over its output
+            if set(writers.get(n, [])) <= relus:
+                install_impl(m, "batchnorm_output")
+                installed.append(n)
+            else:
+                skipped.append(n)
+        elif everything and impls_for(m):
+            install_impl(m, impls_for(m)[0])
+            installed.append(n)
+    # BasicBlock.bn2's output gets `x += shortcut`: the only BNs that must keep the stock op
+    assert skipped == [f"layer{i}.{j}.bn2" for i in range(1, 5) for j in range(2)]
+    assert len(installed) == 17 + 12 + (20 + 1 + 1 if everything else 0)  # relus, bns, (convs, maxpool, fc)
+
+    for _ in range(2):  # two steps: running statistics feed nothing here, but must match
+        loss_s, g_s = _resnet_step(stock, x)
+        loss_o, g_o = _resnet_step(ours, x)
+        assert torch.equal(loss_s, loss_o)  # forward is bitwise identical
+        for n in g_s:
+            assert g_s[n].norm() > 0
+            assert rel(g_o[n], g_s[n]) < 1e-5, n
+        for (n, a), (_, b) in zip(stock.named_buffers(), ours.named_buffers()):
+            assert torch.equal(a, b), n

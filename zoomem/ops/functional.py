@@ -1,0 +1,810 @@
+"""Memory-efficient autograd Functions: the same forward, a smaller set of saved tensors.
+
+Each function here computes exactly the forward of its stock counterpart (the same aten kernels, so the output is
+bitwise identical) and saves less for backward:
+
+==========================  ===============================================  ==================================
+function                    saves (instead of)                               gradients vs stock
+==========================  ===============================================  ==================================
+relu / hardtanh (relu6) /   1-bit packed mask (the float output or input)    bitwise
+threshold / leaky_relu
+dropout                     1-bit packed mask (a float noise tensor on CPU,  bitwise; same RNG draws
+                            a bool mask on CUDA)
+batch_norm_act              its output (identity/leaky act) or its pre-act   reassociated: ~1e-6 rel. in fp32
+                            output (relu) + per-channel 1/std (the input)
+layer_norm                  its output + per-row 1/std (input, mean)         reassociated: ~1e-6 rel. in fp32
+rms_norm (HF Llama form)    its output + per-row 1/rms (fp32 input copy      reassociated: ~1e-6 rel. in fp32
+                            + normalized copy)
+max_pool2d                  uint8 window offsets (input + int64 indices)     bitwise
+linear / conv2d             the same tensors, but backward computes the      bitwise
+                            weight gradient first and frees the input
+                            before the input gradient is allocated
+==========================  ===============================================  ==================================
+
+"Output-activated" functions (batch_norm_act, layer_norm, rms_norm) recover the normalized input from the saved
+output, ``xhat = (y - beta) / gamma``: this loses a few ulps when ``|beta|`` dominates ``|gamma * xhat|`` and is
+impossible where ``gamma == 0``; for those calls (checked per call, one host sync on an accelerator) the function
+falls back to saving the input like the stock op. Measured on CPU: 1e-7 to 3e-7 relative (norm-wise) in fp32; in
+bf16 they are as close to an fp32 run as the stock bf16 op is. Their backward materialises ``xhat`` in fp32 (one
+input-sized temporary the stock backward does not need). Their saved output must not be modified in place later in
+the forward; autograd then raises at backward (with a zoomem message, see :func:`saves_output`):
+``relu``/``hardtanh``/``leaky_relu``/``threshold`` asked to run in place on such an output run out of place instead.
+
+All backward passes are ``once_differentiable`` (no double backward). ``retain_graph=True`` and non-reentrant
+checkpointing work (dropout draws the same RNG stream as the stock op, so a recomputed mask matches). linear/conv2d
+call the weight- and input-gradient kernels separately: bitwise on CPU; on CUDA cuDNN may pick other algorithms for
+the separate calls (last-bit differences).
+
+GELU / SiLU are deliberately absent: they need their input, and saving it in fewer bits is lossy. The planner
+handles them by recomputation.
+
+>>> x = torch.randn(4, 8, requires_grad=True)
+>>> y = relu(x)                       # saves 1 bit per element instead of the float output
+>>> y.sum().backward()
+>>> torch.equal(x.grad, (x > 0).float())
+True
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .packbits import pack_bool, unpack_bool
+
+__all__ = [
+    "relu",
+    "relu6",
+    "hardtanh",
+    "threshold",
+    "leaky_relu",
+    "dropout",
+    "batch_norm_act",
+    "layer_norm",
+    "rms_norm",
+    "max_pool2d",
+    "linear",
+    "conv2d",
+    "saves_output",
+]
+
+logger = logging.getLogger(__name__)
+
+_BN_ACTS = ("identity", "relu", "leaky_relu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def saves_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output that one of this module's functions saved for backward (output-activated norm).
+
+    Such a tensor must not be modified in place before backward; the activations here run out of place on it.
+    """
+    return bool(getattr(t.grad_fn, "_zoomem_saved_output", False))
+
+
+def _saved(ctx: Any, what: str) -> tuple[torch.Tensor, ...]:
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        if "inplace operation" in str(e):
+            raise RuntimeError(
+                f"zoomem: {what} saves its output for backward, but that output was modified in place later in the "
+                "forward (e.g. `x += shortcut` or an in-place activation outside zoomem). Do not install this "
+                "implementation on that module (zoomem.ops.find_inplace_writers(model, batch) lists such modules), "
+                "or make the later op out of place. Tip: torch.autograd.set_detect_anomaly(True) shows the op."
+            ) from e
+        raise
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype active for ``x``'s device type, or None."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _cast(dtype: torch.dtype, *ts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """What autocast does to an op's arguments: floating tensors (not fp64) to ``dtype``."""
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in ts
+    )
+
+
+def _needs_fallback(weight: torch.Tensor | None) -> bool:
+    """Output-activated norms cannot recover xhat where gamma == 0 (one host sync on an accelerator)."""
+    return weight is not None and bool((weight == 0).any())
+
+
+def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A per-channel vector ``(C,)`` shaped to broadcast against ``(N, C, *)`` with ``ndim`` dims."""
+    return t.view((1, -1) + (1,) * (ndim - 2))
+
+
+def _le(x: torch.Tensor, a: float) -> torch.Tensor:
+    """``x <= a`` as aten's activation kernels compare: in fp32 opmath for bf16/fp16 (a Python scalar compared with
+    a bf16 tensor would be rounded to bf16 first), exact and without an fp32 copy of ``x``."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        af = torch.tensor(a, dtype=torch.float32)
+        v = af.to(x.dtype)
+        return x < v.item() if v.float() > af else x <= v.item()
+    return x <= a
+
+
+def _ge(x: torch.Tensor, a: float) -> torch.Tensor:
+    """``x >= a`` in aten's opmath, like :func:`_le`."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        af = torch.tensor(a, dtype=torch.float32)
+        v = af.to(x.dtype)
+        return x > v.item() if v.float() < af else x >= v.item()
+    return x >= a
+
+
+def _act_forward_mask(kind: str, x: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """Where the activation's backward passes the incoming gradient unchanged (NaN handled as in aten)."""
+    if kind == "threshold":  # threshold_backward: x <= th ? 0 : grad
+        return ~_le(x, a)
+    if kind == "hardtanh":  # hardtanh_backward: (x <= min || x >= max) ? 0 : grad
+        return ~(_le(x, a) | _ge(x, b))
+    if kind == "leaky_relu":  # leaky_relu_backward: x > 0 ? grad : grad * slope
+        return x > 0
+    raise ValueError(f"Unknown activation kind {kind!r}; expected one of 'threshold', 'hardtanh', 'leaky_relu'.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# activations with a 1-bit mask
+
+
+class _BitmaskActivation(torch.autograd.Function):
+    """relu / relu6 (hardtanh) / threshold / leaky_relu, saving only a 1-bit mask."""
+
+    @staticmethod
+    def forward(ctx, x, kind, a, b, inplace):  # type: ignore[override]
+        # kind: "relu" (threshold 0, value 0, like aten.relu), "threshold" (a=threshold, b=value),
+        # "hardtanh" (a=min, b=max), "leaky_relu" (a=slope)
+        if kind == "relu":
+            out = torch.relu_(x) if inplace else torch.relu(x)
+            mask = ~(out <= 0)  # aten: threshold_backward(grad, result, 0)
+        else:
+            mask = _act_forward_mask(kind, x, a, b)
+            if kind == "threshold":
+                out = F.threshold(x, a, b, inplace=inplace)
+            elif kind == "hardtanh":
+                out = F.hardtanh(x, a, b, inplace=inplace)
+            else:
+                out = F.leaky_relu(x, a, inplace=inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        packed, shape = pack_bool(mask)
+        del mask
+        ctx.save_for_backward(packed)
+        ctx.shape, ctx.kind, ctx.slope = shape, kind, a
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        mask = unpack_bool(packed, ctx.shape)
+        if ctx.kind == "leaky_relu":
+            gi = torch.where(mask, grad, grad * ctx.slope)
+        else:
+            gi = grad.masked_fill(~mask, 0)
+        return gi, None, None, None, None
+
+
+def _bitmask_act(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> torch.Tensor:
+    if inplace and saves_output(x):
+        # x is saved by an output-activated norm: overwriting it would break that norm's backward
+        inplace = False
+    return _BitmaskActivation.apply(x, kind, a, b, inplace)
+
+
+def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.relu`` saving a 1-bit mask; bitwise identical output and gradient.
+
+    Unlike the stock in-place ReLU (which saves its output), the in-place variant here may be followed by other
+    in-place ops on its output: backward needs only the mask.
+    """
+    return _bitmask_act(x, "relu", 0.0, 0.0, inplace)
+
+
+def hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    """``F.hardtanh`` saving a 1-bit mask; bitwise identical output and gradient."""
+    return _bitmask_act(x, "hardtanh", float(min_val), float(max_val), inplace)
+
+
+def relu6(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.relu6`` (= ``hardtanh(x, 0, 6)``) saving a 1-bit mask; bitwise identical output and gradient."""
+    return hardtanh(x, 0.0, 6.0, inplace)
+
+
+def threshold(x: torch.Tensor, threshold: float, value: float, inplace: bool = False) -> torch.Tensor:
+    """``F.threshold`` saving a 1-bit mask; bitwise identical output and gradient."""
+    return _bitmask_act(x, "threshold", float(threshold), float(value), inplace)
+
+
+def leaky_relu(x: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False) -> torch.Tensor:
+    """``F.leaky_relu`` saving a 1-bit mask of ``x > 0``; bitwise identical output and gradient (any slope)."""
+    return _bitmask_act(x, "leaky_relu", float(negative_slope), 0.0, inplace)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dropout
+
+
+def _fused_dropout_device(x: torch.Tensor) -> bool:
+    """Whether ``F.dropout`` uses aten's fused ``native_dropout`` for ``x`` (mirrors ``is_fused_kernel_acceptable``)."""
+    dev = x.device.type
+    return dev in ("cuda", "xpu", "lazy") or dev == torch._C._get_privateuse1_backend_name()
+
+
+class _BitmaskDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, inplace):  # type: ignore[override]
+        fused = _fused_dropout_device(x)
+        if fused:
+            # same kernel and RNG draws as F.dropout on this device; the bool mask is packed to bits
+            out, mask = torch.native_dropout(x, p, True)
+            if inplace:
+                out = x.copy_(out)
+        else:
+            # aten's _dropout_impl (what F.dropout runs on CPU): noise = bernoulli(1-p) in x's dtype, / (1-p), x*noise
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+            mask = noise != 0
+            noise.div_(1 - p)
+            out = x.mul_(noise) if inplace else x * noise
+            del noise
+        if inplace:
+            ctx.mark_dirty(x)
+        packed, shape = pack_bool(mask)
+        del mask
+        ctx.save_for_backward(packed)
+        ctx.shape, ctx.p, ctx.fused = shape, p, fused
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        mask = unpack_bool(packed, ctx.shape)
+        if ctx.fused:
+            return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - ctx.p)), None, None
+        noise = mask.to(grad.dtype).div_(1 - ctx.p)  # the very values of the forward noise
+        return grad * noise, None, None
+
+
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` saving a 1-bit mask.
+
+    Draws the mask exactly as ``F.dropout`` does on the same device (``bernoulli_`` on a tensor of ``x``'s dtype on
+    CPU, ``native_dropout`` on CUDA/XPU), so with the same RNG seed the output is bitwise identical and the RNG
+    stream advances identically (checkpoint recomputation reproduces the mask). Gradients are bitwise identical.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0 or p == 1.0 or x.numel() == 0 or not torch.is_grad_enabled():
+        return F.dropout(x, p, training, inplace)
+    return _BitmaskDropout.apply(x, float(p), inplace)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batch norm (+ activation), output-activated
+
+
+def _bn_stats_forward(x, weight, bias, running_mean, running_var, momentum, eps):
+    """The stock training-mode batch norm (the kernel F.batch_norm picks), returning (y, save_invstd, save_mean)."""
+    out, save_mean, save_invstd, _reserve, _impl = torch._batch_norm_impl_index(
+        x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled
+    )
+    return out, save_invstd, save_mean
+
+
+class _BatchNormAct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, act, slope):  # type: ignore[override]
+        y, invstd, mean = _bn_stats_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        ctx.act, ctx.slope, ctx.eps, ctx.ndim = act, slope, eps, x.dim()
+        ctx.fallback = _needs_fallback(weight)
+        ctx.x_dtype = x.dtype
+        if ctx.fallback:
+            # gamma == 0 somewhere: xhat cannot be recovered from y there; save the input like the stock op
+            if act == "identity":
+                out = y
+                packed, shape = None, None
+            elif act == "relu":
+                out = torch.relu_(y)
+                packed, shape = pack_bool(~(out <= 0))
+            else:
+                packed, shape = pack_bool(y > 0)
+                out = F.leaky_relu_(y, slope)
+            ctx.shape = shape
+            ctx.save_for_backward(x, weight, bias, mean, invstd, packed)
+            return out
+        if act == "relu":
+            out = torch.relu(y)  # y (pre-activation) is saved, so the activation cannot overwrite it
+            ctx.save_for_backward(y, weight, bias, invstd)
+            return out
+        if act == "leaky_relu":
+            y = F.leaky_relu_(y, slope)  # invertible for slope > 0: save the activated output itself
+        ctx.save_for_backward(y, weight, bias, invstd)
+        ctx._zoomem_saved_output = True
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        act, ndim = ctx.act, ctx.ndim
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if ctx.fallback:
+            x, weight, bias, mean, invstd, packed = _saved(ctx, "batch_norm_act")
+            if act == "relu":
+                grad = grad.masked_fill(~unpack_bool(packed, ctx.shape), 0)
+            elif act == "leaky_relu":
+                grad = torch.where(unpack_bool(packed, ctx.shape), grad, grad * ctx.slope)
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                grad, x, weight, None, None, mean, invstd, True, ctx.eps, [need_x, need_w, need_b]
+            )
+            return gx, gw, gb, None, None, None, None, None, None
+        saved, weight, bias, invstd = _saved(ctx, "batch_norm_act")
+        # 1. gradient w.r.t. the pre-activation output y, and y itself
+        if act == "relu":
+            y = saved
+            grad = grad.masked_fill(y <= 0, 0)
+        elif act == "leaky_relu":
+            pos = saved > 0
+            grad = torch.where(pos, grad, grad * ctx.slope)
+            y = torch.where(pos, saved, saved / ctx.slope)
+        else:
+            y = saved
+        # 2. xhat = (y - beta) / gamma in fp32, then aten's batch-norm backward with mean 0, invstd 1 and
+        #    weight gamma * invstd: d/dx = gamma*invstd*(g - mean(g) - xhat*mean(g*xhat)), d/dgamma = sum(g*xhat)
+        work = torch.float64 if y.dtype == torch.float64 else torch.float32
+        c = invstd.numel()
+        xhat = y.to(work)
+        if bias is not None:
+            xhat = xhat - _channel_view(bias.to(work), ndim)
+        if weight is not None:
+            xhat = xhat / _channel_view(weight.to(work), ndim)
+            w_eff = weight.to(work) * invstd.to(work)
+        else:
+            w_eff = invstd.to(work)
+        g = grad.to(work)
+        zeros = torch.zeros(c, dtype=work, device=y.device)
+        ones = torch.ones(c, dtype=work, device=y.device)
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            g, xhat, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and weight is not None, need_b]
+        )
+        gx = gx.to(ctx.x_dtype) if gx is not None else None
+        gw = gw.to(weight.dtype) if gw is not None and weight is not None else None
+        gb = gb.to(bias.dtype) if gb is not None and bias is not None else None
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def batch_norm_act(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "identity",
+    negative_slope: float = 0.01,
+) -> torch.Tensor:
+    """``F.batch_norm`` (+ an activation) with an output-activated backward in training mode.
+
+    Saves the output (``act`` "identity", or "leaky_relu" with ``negative_slope > 0``, both invertible) or the
+    pre-activation output (``act="relu"``), plus the per-channel ``1/std``; not the input. The forward is the stock
+    kernel (bitwise identical output, running statistics updated in place exactly as ``F.batch_norm`` does, once).
+    Gradients are reassociated: within ~1e-6 relative in fp32 (a few ulps of the output scaled by ``1/gamma``).
+    Where some ``gamma == 0`` the call falls back to saving the input (gradients then as the stock formula).
+
+    Args:
+        act: "identity", "relu" or "leaky_relu".
+    Shapes:
+        x: ``(N, C, *)``; running stats, weight, bias: ``(C,)``.
+    """
+    if act not in _BN_ACTS:
+        raise ValueError(f"act must be one of {_BN_ACTS}, got {act!r}.")
+    if act == "leaky_relu" and not negative_slope > 0:
+        raise ValueError(f"act='leaky_relu' needs negative_slope > 0 to be invertible, got {negative_slope}.")
+    if not training or not torch.is_grad_enabled():
+        y = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        if act == "relu":
+            return torch.relu(y)
+        if act == "leaky_relu":
+            return F.leaky_relu(y, negative_slope)
+        return y
+    F._verify_batch_size(x.size())
+    return _BatchNormAct.apply(x, weight, bias, running_mean, running_var, momentum, eps, act, float(negative_slope))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layer norm, output-activated
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):  # type: ignore[override]
+        y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.x_dtype = x.dtype
+        ctx.fallback = _needs_fallback(weight)
+        if ctx.fallback:
+            ctx.save_for_backward(x, weight, bias, mean, rstd)
+        else:
+            ctx.save_for_backward(y, weight, bias, rstd)
+            ctx._zoomem_saved_output = True
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        if ctx.fallback:
+            x, weight, bias, mean, rstd = _saved(ctx, "layer_norm")
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                grad, x, ctx.normalized_shape, mean, rstd, weight, bias, mask
+            )
+            return gx, None, gw, gb, None
+        y, weight, bias, rstd = _saved(ctx, "layer_norm")
+        work = torch.float32 if y.dtype != torch.float64 else y.dtype
+        xhat = y.to(work)
+        if bias is not None:
+            xhat = xhat - bias.to(work)
+        if weight is not None:
+            xhat = xhat / weight.to(work)
+        # aten's layer-norm backward on xhat with mean 0, rstd 1 gives d/dxhat-projected; times rstd = d/dx
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad.to(work),
+            xhat,
+            ctx.normalized_shape,
+            torch.zeros_like(rstd, dtype=work),
+            torch.ones_like(rstd, dtype=work),
+            weight.to(work) if weight is not None else None,
+            bias.to(work) if bias is not None else None,
+            [mask[0], mask[1] and weight is not None, mask[2] and bias is not None],
+        )
+        if gx is not None:
+            gx = (gx * rstd.to(work)).to(ctx.x_dtype)
+        gw = gw.to(weight.dtype) if gw is not None else None
+        gb = gb.to(bias.dtype) if gb is not None else None
+        return gx, None, gw, gb, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm`` saving its output and per-row ``1/std`` instead of its input and mean.
+
+    Forward output bitwise identical (the same ``native_layer_norm`` kernel); gradients reassociated, within ~1e-6
+    relative in fp32. Falls back to saving the input where some ``gamma == 0``.
+    """
+    if not torch.is_grad_enabled():
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+    if _autocast_dtype(x) is not None:
+        dev = x.device.type
+        if dev == "cpu":  # layer_norm is in no CPU autocast list: runs in its input dtype
+            pass
+        elif dev == "cuda":  # CUDA autocast runs layer_norm in fp32
+            x, weight, bias = _cast(torch.float32, x, weight, bias)
+            with torch.autocast(dev, enabled=False):
+                return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
+        else:  # an autocast policy we have not checked: keep the stock op
+            return F.layer_norm(x, normalized_shape, weight, bias, eps)
+    return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMS norm (HF Llama form), output-activated
+
+
+def _rms_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """HF ``LlamaRMSNorm.forward``, op for op (so the output is bitwise identical); also returns 1/rms."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    r = torch.rsqrt(variance + eps)
+    h = h * r
+    n = h.to(input_dtype)
+    return (weight * n if weight is not None else n), r
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        y, r = _rms_forward(x, weight, eps)
+        ctx.fallback = _needs_fallback(weight)
+        ctx.x_dtype = x.dtype
+        if ctx.fallback:
+            ctx.save_for_backward(x, weight, r)
+        else:
+            ctx.save_for_backward(y, weight, r)
+            ctx._zoomem_saved_output = True
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        saved, weight, r = _saved(ctx, "rms_norm")
+        if ctx.fallback:
+            n_f = saved.to(torch.float32) * r
+            n_d = n_f.to(ctx.x_dtype)
+        else:
+            # n = y / w: the normalized activations (in the output dtype), up to one rounding of the product
+            n_d = saved / weight if weight is not None else saved
+            n_f = n_d.to(torch.float32)
+        gw = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            lead = tuple(range(grad.dim() - weight.dim()))
+            gw = (grad * n_d).sum(lead).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gn = (grad * weight if weight is not None else grad).to(torch.float32)
+            # d/dx of n = x * rsqrt(mean(x^2) + eps):  r * (gn - n * mean(gn * n))
+            gx = (r * (gn - n_f * (gn * n_f).mean(-1, keepdim=True))).to(ctx.x_dtype)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF ``LlamaRMSNorm`` (fp32 statistics, ``weight * normed.to(input_dtype)``) saving its output and ``1/rms``.
+
+    The stock graph saves an fp32 copy of the input and the normalized tensor; this saves only the output (which the
+    next linear layer saves anyway) and one fp32 value per row. Forward bitwise identical; gradients reassociated
+    (within ~1e-6 relative in fp32). Falls back to saving the input where some ``weight == 0``.
+    """
+    if not torch.is_grad_enabled():
+        return _rms_forward(x, weight, eps)[0]
+    return _RMSNorm.apply(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# max pool with compact indices
+
+
+def _pair(v: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _window_origins(out_hw, stride, padding, device):
+    oh = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
+    ow = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
+    return oh.view(-1, 1), ow.view(1, -1)
+
+
+class _MaxPool2dCompact(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):  # type: ignore[override]
+        out, idx = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+        width = x.shape[-1]
+        oh0, ow0 = _window_origins(out.shape[-2:], stride, padding, x.device)
+        h = torch.div(idx, width, rounding_mode="floor")
+        w = idx - h * width
+        del idx
+        # offset inside the window: row kh, column kw of the (dilated) kernel
+        local = torch.div(h.sub_(oh0), dilation[0], rounding_mode="floor").mul_(kernel[1])
+        local += torch.div(w.sub_(ow0), dilation[1], rounding_mode="floor")
+        del h, w
+        area = kernel[0] * kernel[1]
+        local = local.to(torch.uint8 if area <= 256 else torch.int16 if area <= 32767 else torch.int32)
+        ctx.save_for_backward(local)
+        ctx.args = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.in_shape, ctx.in_dtype = x.shape, x.dtype
+        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last
+        )
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (local,) = ctx.saved_tensors
+        kernel, stride, padding, dilation, ceil_mode = ctx.args
+        height, width = ctx.in_shape[-2:]
+        oh0, ow0 = _window_origins(local.shape[-2:], stride, padding, local.device)
+        local = local.long()
+        kh = torch.div(local, kernel[1], rounding_mode="floor")
+        kw = local - kh * kernel[1]
+        del local
+        idx = kh.mul_(dilation[0]).add_(oh0).mul_(width)
+        idx += kw.mul_(dilation[1]).add_(ow0)
+        del kw
+        if ctx.channels_last:
+            # the kernel takes the layout of its `input` argument (never read): give it a channels-last one
+            dummy = torch.empty(ctx.in_shape, dtype=grad.dtype, device=grad.device, memory_format=torch.channels_last)
+        else:
+            dummy = grad.new_empty(()).expand(ctx.in_shape)  # shape only, no memory
+        gi = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, dummy, kernel, stride, padding, dilation, ceil_mode, idx
+        )
+        return gi, None, None, None, None, None
+
+
+def max_pool2d(
+    x: torch.Tensor,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    ceil_mode: bool = False,
+) -> torch.Tensor:
+    """``F.max_pool2d`` saving the argmax offset inside each window as ``uint8`` (kernel area <= 256).
+
+    Saves one byte per output element instead of the input and int64 flat indices. Output and gradient are
+    bitwise identical (the same aten forward and backward kernels; indices are rebuilt exactly in backward).
+
+    Shapes:
+        x: ``(N, C, H, W)`` or ``(C, H, W)``.
+    """
+    kernel = _pair(kernel_size)
+    stride_ = _pair(stride) if stride is not None and (not isinstance(stride, (list, tuple)) or len(stride)) else kernel
+    if not torch.is_grad_enabled():
+        return F.max_pool2d(x, kernel, stride_, padding, dilation, ceil_mode)
+    return _MaxPool2dCompact.apply(x, kernel, stride_, _pair(padding), _pair(dilation), ceil_mode)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear / conv2d with a split backward
+
+
+class _LinearInputGrad(torch.autograd.Function):
+    """Computes the forward on the 2-D folded input; its backward (which runs last) computes only grad_input."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, fused_bias):  # type: ignore[override]
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(weight)
+        if bias is None or fused_bias:
+            return F.linear(x2, weight, bias)  # addmm / mm, as aten.linear runs it
+        return x2.mm(weight.t()).add_(bias)  # aten.linear's matmul + bias path (inputs it does not fold to addmm)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (weight,) = ctx.saved_tensors
+        return grad.mm(weight), None, None, None
+
+
+class _LinearWeightGrad(torch.autograd.Function):
+    """Passes the output through; its backward (which runs first) computes grad_weight/grad_bias from the saved
+    input, which autograd frees right after, before grad_input is allocated."""
+
+    @staticmethod
+    def forward(ctx, y2, x2, weight, bias):  # type: ignore[override]
+        ctx.mark_dirty(y2)  # no alias/view: y2 keeps its storage and is simply re-owned by this node
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[2] else None)
+        ctx.has_bias = bias is not None
+        return y2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (x2,) = ctx.saved_tensors
+        gw = grad.t().mm(x2) if x2 is not None else None
+        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad, None, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a split backward: grad_weight first, then the input is freed, then grad_input.
+
+    The stock backward holds the saved input ``x``, the incoming gradient ``g`` and the new ``grad_input`` (the size
+    of ``x``) at once: peak ``|g| + 2|x|`` (+ grad_weight). Here the backward is two autograd nodes: the first
+    computes grad_weight and grad_bias from ``x`` and ``g`` and is released by autograd, which drops ``x``; the
+    second computes ``grad_input = g @ W`` from ``g`` and the weight only: peak ``|g| + |x|``. The saving is real
+    when ``x`` is held by this layer alone (e.g. the input of an MLP's second linear, the GELU output); the order
+    that lowers the peak is weight-gradient-first, because grad_input is the only large new allocation. Saved
+    tensors are the same as the stock op's; output and gradients are bitwise identical.
+    """
+    if not torch.is_grad_enabled() or x.dim() < 2:
+        return F.linear(x, weight, bias)
+    amp = _autocast_dtype(x)
+    if amp is not None:  # linear is a lower-precision autocast op on every device: cast as autocast would
+        x, weight, bias = _cast(amp, x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return linear(x, weight, bias)
+    # fold to 2-D like aten.linear: addmm for 2-D inputs and contiguous 3-D ones, else mm + bias
+    fused_bias = x.dim() == 2 or (x.dim() == 3 and x.is_contiguous())
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    y2 = _LinearInputGrad.apply(x2, weight, bias, fused_bias)
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        y2 = _LinearWeightGrad.apply(y2, x2, weight, bias)
+    return y2 if x.dim() == 2 else y2.view(*x.shape[:-1], weight.shape[0])
+
+
+class _Conv2dInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):  # type: ignore[override]
+        ctx.args = (list(stride), list(padding), list(dilation), groups)
+        ctx.in_shape = x.shape
+        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last
+        )
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(weight)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        (weight,) = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.args
+        if ctx.channels_last:
+            dummy = torch.empty(ctx.in_shape, dtype=grad.dtype, device=grad.device, memory_format=torch.channels_last)
+        else:
+            dummy = grad.new_empty(()).expand(ctx.in_shape)  # shape only, like torch.nn.grad.conv2d_input
+        gx, _, _ = torch.ops.aten.convolution_backward(
+            grad, dummy, weight, None, stride, padding, dilation, False, [0, 0], groups, [True, False, False]
+        )
+        return gx, None, None, None, None, None, None
+
+
+class _Conv2dWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, x, weight, bias, stride, padding, dilation, groups):  # type: ignore[override]
+        ctx.mark_dirty(y)
+        ctx.args = (list(stride), list(padding), list(dilation), groups)
+        ctx.bias_sizes = [bias.shape[0]] if bias is not None else None
+        ctx.in_shape = x.shape
+        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, weight)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.args
+        need_w = x is not None
+        need_b = ctx.bias_sizes is not None and ctx.needs_input_grad[3]
+        gw = gb = None
+        if need_w or need_b:
+            if x is None:
+                x = grad.new_empty(()).expand(ctx.in_shape)  # never read: only the bias gradient is asked for
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0, 0], groups,
+                [False, need_w, need_b],
+            )
+        return grad, None, gw, gb, None, None, None, None
+
+
+def conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+) -> torch.Tensor:
+    """``F.conv2d`` (numeric padding) with the split backward of :func:`linear`: weight gradient first, input freed,
+    then the input gradient. Same saved tensors as the stock op; output and gradients bitwise identical on CPU."""
+    if not torch.is_grad_enabled() or isinstance(padding, str) or x.dim() != 4:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    amp = _autocast_dtype(x)
+    if amp is not None:  # conv2d is a lower-precision autocast op on every device
+        x, weight, bias = _cast(amp, x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return conv2d(x, weight, bias, stride, padding, dilation, groups)
+    s, p, d = _pair(stride), _pair(padding), _pair(dilation)
+    y = _Conv2dInputGrad.apply(x, weight, bias, s, p, d, groups)
+    if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return y
+    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups)

@@ -1,0 +1,475 @@
+"""Module-level memory-efficient implementations, swappable per module instance.
+
+An :class:`Impl` names a replacement ``forward`` for instances of some module classes, built on the autograd
+Functions of :mod:`zoomem.ops.functional`. The planner picks one per module; :func:`install_impl` puts it on one
+instance (never the class) and returns an undo function. The installed wrapper runs the module's own forward in
+``eval()`` and under ``torch.no_grad()``/``inference_mode`` (same speed, same output, nothing saved), and when no
+input or parameter needs a gradient; otherwise it runs the Impl. Parameters, buffers, ``state_dict`` keys and
+hooks of the module are untouched (the hooks run around the wrapper as around the original forward).
+
+>>> m = nn.ReLU(inplace=True)
+>>> [impl.name for impl in impls_for(m)]
+['relu_bitmask']
+>>> undo = install_impl(m, IMPLS["relu_bitmask"])
+>>> undo()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import functional as Zf
+
+__all__ = [
+    "Impl",
+    "IMPLS",
+    "register_impl",
+    "impls_for",
+    "install_impl",
+    "installed_impl",
+    "find_inplace_writers",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A memory-efficient implementation of a module's forward.
+
+    Args:
+        name: unique registry key, e.g. ``"relu_bitmask"``.
+        module_types: the module classes it may replace (``isinstance`` check).
+        forward: ``forward(module, *args, **kwargs) -> output``, the training-mode replacement of
+            ``module.forward``; it must compute what the module's own forward computes.
+        applies: a finer check on an instance (e.g. that its class does not override ``forward``, or the type of a
+            fused activation).
+        doc: what it saves instead of what, and how exact its gradients are.
+    """
+
+    name: str
+    module_types: tuple[type, ...]
+    forward: Callable[..., Any]
+    applies: Callable[[nn.Module], bool] = _always
+    doc: str = ""
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether this implementation may replace ``module``'s forward."""
+        return isinstance(module, self.module_types) and bool(self.applies(module))
+
+
+IMPLS: dict[str, Impl] = {}
+"""Impl name -> Impl."""
+
+
+def register_impl(impl: Impl) -> Impl:
+    """Add ``impl`` to :data:`IMPLS`; refuses a name that is already taken.
+
+    Raises:
+        ValueError: if an implementation with the same name is registered.
+    """
+    if not isinstance(impl, Impl):
+        raise TypeError(f"register_impl expects a zoomem.ops.Impl, got {type(impl).__name__}.")
+    if impl.name in IMPLS:
+        raise ValueError(
+            f"An implementation named {impl.name!r} is already registered (for "
+            f"{[t.__name__ for t in IMPLS[impl.name].module_types]}); give the new one another name."
+        )
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def impls_for(module: nn.Module) -> list[Impl]:
+    """The registered implementations that apply to ``module``, in registration order."""
+    return [impl for impl in IMPLS.values() if impl.matches(module)]
+
+
+_MARK = "__zoomem_impl__"
+
+
+def installed_impl(module: nn.Module) -> Impl | None:
+    """The Impl installed on ``module`` by :func:`install_impl`, or None."""
+    return getattr(module.__dict__.get("forward"), _MARK, None)
+
+
+def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _dispatch(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
+        return original(*args, **kwargs)
+    return impl.forward(module, *args, **kwargs)
+
+
+def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
+    """Make ``module`` (this instance only) run ``impl`` in training; returns the function that undoes it.
+
+    Sets ``module.forward`` to a wrapper (a ``functools.partial``, so ``copy.deepcopy`` and pickling of the model
+    keep working) that keeps the previous forward and calls it in eval mode, under no_grad, and when nothing needs
+    a gradient. The class is never patched.
+
+    Args:
+        module: the module instance.
+        impl: an :class:`Impl` or the name of a registered one.
+
+    Returns:
+        ``undo()``: restores the previous ``forward`` (the class's, or an instance-level one set before).
+
+    Raises:
+        KeyError: unknown impl name.
+        ValueError: ``impl`` does not apply to ``module``, or an Impl is already installed on it.
+
+    >>> undo = install_impl(nn.LayerNorm(8), "layernorm_output")
+    >>> undo()
+    """
+    if isinstance(impl, str):
+        if impl not in IMPLS:
+            raise KeyError(f"Unknown implementation {impl!r}; registered: {sorted(IMPLS)}.")
+        impl = IMPLS[impl]
+    current = installed_impl(module)
+    if current is not None:
+        raise ValueError(
+            f"{type(module).__name__} already runs the implementation {current.name!r}; call the undo function "
+            "returned by install_impl before installing another."
+        )
+    if not impl.matches(module):
+        raise ValueError(
+            f"Implementation {impl.name!r} does not apply to this {type(module).__name__}; applicable: "
+            f"{[i.name for i in impls_for(module)]}."
+        )
+    had_instance_forward = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    wrapper = functools.partial(_dispatch, module, impl, module.forward)
+    setattr(wrapper, _MARK, impl)
+    module.__dict__["forward"] = wrapper
+
+    def undo() -> None:
+        if module.__dict__.get("forward") is not wrapper:
+            raise RuntimeError(
+                f"Cannot undo {impl.name!r} on this {type(module).__name__}: its forward was replaced again after "
+                "install_impl; undo the later change first."
+            )
+        if had_instance_forward:
+            module.__dict__["forward"] = previous
+        else:
+            del module.__dict__["forward"]
+
+    return undo
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forwards
+
+
+def _has_own_forward(cls: type, module: nn.Module) -> bool:
+    return type(module).forward is cls.forward
+
+
+def _own_forward(cls: type) -> Callable[[nn.Module], bool]:
+    """applies(): the instance's class runs ``cls``'s very ``forward`` (a subclass overriding it is excluded).
+
+    A ``functools.partial`` (not a closure) so that a model with an installed Impl still pickles.
+    """
+    return functools.partial(_has_own_forward, cls)
+
+
+def _relu_forward(m: nn.ReLU, input: torch.Tensor) -> torch.Tensor:
+    return Zf.relu(input, m.inplace)
+
+
+def _hardtanh_forward(m: nn.Hardtanh, input: torch.Tensor) -> torch.Tensor:
+    return Zf.hardtanh(input, m.min_val, m.max_val, m.inplace)
+
+
+def _leaky_forward(m: nn.LeakyReLU, input: torch.Tensor) -> torch.Tensor:
+    return Zf.leaky_relu(input, m.negative_slope, m.inplace)
+
+
+def _threshold_forward(m: nn.Threshold, input: torch.Tensor) -> torch.Tensor:
+    return Zf.threshold(input, m.threshold, m.value, m.inplace)
+
+
+def _dropout_forward(m: nn.Dropout, input: torch.Tensor) -> torch.Tensor:
+    return Zf.dropout(input, m.p, m.training, m.inplace)
+
+
+def _bn_common(m: _BatchNorm, x: torch.Tensor, act: str, slope: float) -> torch.Tensor:
+    """``_BatchNorm.forward`` (momentum / cumulative average / num_batches_tracked) on the output-activated op."""
+    factor = 0.0 if m.momentum is None else m.momentum
+    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        m.num_batches_tracked.add_(1)
+        factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    track = not m.training or m.track_running_stats
+    return Zf.batch_norm_act(
+        x,
+        m.running_mean if track else None,
+        m.running_var if track else None,
+        m.weight,
+        m.bias,
+        True,  # only called in training mode
+        factor,
+        m.eps,
+        act,
+        slope,
+    )
+
+
+def _bn_forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    m._check_input_dim(input)
+    return _bn_common(m, input, "identity", 0.0)
+
+
+def _initialized(m: nn.Module) -> bool:
+    return not any(nn.parameter.is_lazy(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+
+
+def _bn_applies(m: nn.Module) -> bool:
+    return type(m).forward is _BatchNorm.forward and _initialized(m)
+
+
+def _timm_bn_act_class() -> type | None:
+    na = sys.modules.get("timm.layers.norm_act")  # a timm module instance implies timm is imported
+    return getattr(na, "BatchNormAct2d", None)
+
+
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None))
+
+
+def _bn_act_kind(m: nn.Module) -> tuple[str, float] | None:
+    """The fused activation of a timm BatchNormAct2d as ("identity"|"relu"|"leaky_relu", slope), or None."""
+    act, drop = getattr(m, "act", None), getattr(m, "drop", None)
+    if type(drop) is not nn.Identity or not _no_hooks(drop) or act is None or not _no_hooks(act):
+        return None
+    if type(act) is nn.Identity:
+        return ("identity", 0.0)
+    if type(act) is nn.ReLU:
+        return ("relu", 0.0)
+    if type(act) is nn.LeakyReLU and act.negative_slope > 0:
+        return ("leaky_relu", float(act.negative_slope))
+    return None
+
+
+def _timm_bn_act_applies(m: nn.Module) -> bool:
+    cls = _timm_bn_act_class()
+    return cls is not None and type(m).forward is cls.forward and _bn_act_kind(m) is not None
+
+
+def _timm_bn_act_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.ndim != 4:
+        raise ValueError(f"expected 4D input (got {x.ndim}D input)")
+    kind = _bn_act_kind(m)
+    assert kind is not None  # checked by applies()
+    return _bn_common(m, x, *kind)
+
+
+def _ln_forward(m: nn.LayerNorm, input: torch.Tensor) -> torch.Tensor:
+    return Zf.layer_norm(input, m.normalized_shape, m.weight, m.bias, m.eps)
+
+
+def _rms_eps(m: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(m, attr, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def _rms_applies(m: nn.Module) -> bool:
+    """HF Llama-form RMSNorm: checked on its numbers, since many ``*RMSNorm`` classes compute differently
+    (Gemma's ``1 + weight``, torch's ``nn.RMSNorm`` in reduced precision, ...)."""
+    w = getattr(m, "weight", None)
+    eps = _rms_eps(m)
+    if not type(m).__name__.endswith("RMSNorm") or not isinstance(w, nn.Parameter) or w.dim() != 1 or eps is None:
+        return False
+    if w.device.type == "meta" or nn.parameter.is_lazy(w):
+        return False
+    if type(m).forward is getattr(getattr(nn, "RMSNorm", None), "forward", None):
+        return False  # torch's F.rms_norm may dispatch to fused kernels with other numerics on other shapes
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, w.shape[0], generator=gen) * 3
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for dtype in {torch.float32, torch.bfloat16, w.dtype}:
+                x = base.to(device=w.device, dtype=dtype)
+                ref = m(x)
+                if not isinstance(ref, torch.Tensor) or not torch.equal(ref, Zf._rms_forward(x, w, eps)[0]):
+                    return False
+    except Exception:  # noqa: BLE001 - any failure means "not the form we implement"
+        logger.debug("RMSNorm probe failed on %s", type(m).__name__, exc_info=True)
+        return False
+    return True
+
+
+def _rms_forward(m: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return Zf.rms_norm(hidden_states, m.weight, _rms_eps(m))  # type: ignore[arg-type]
+
+
+def _maxpool_forward(m: nn.MaxPool2d, input: torch.Tensor) -> torch.Tensor:
+    return Zf.max_pool2d(input, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+
+
+def _maxpool_applies(m: nn.Module) -> bool:
+    return type(m).forward is nn.MaxPool2d.forward and not m.return_indices
+
+
+def _linear_forward(m: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return Zf.linear(input, m.weight, m.bias)
+
+
+def _conv_forward(m: nn.Conv2d, input: torch.Tensor) -> torch.Tensor:
+    return Zf.conv2d(input, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups)
+
+
+def _conv_applies(m: nn.Module) -> bool:
+    return (
+        type(m).forward is nn.Conv2d.forward
+        and type(m)._conv_forward is nn.Conv2d._conv_forward
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
+        and _initialized(m)
+    )
+
+
+def _register_builtin() -> None:
+    for impl in (
+        Impl("relu_bitmask", (nn.ReLU,), _relu_forward, _own_forward(nn.ReLU),
+             "ReLU saving a 1-bit mask instead of its output (1/32 of fp32). Bitwise gradients. In-place works, and "
+             "later in-place ops on its output are allowed; runs out of place on an output-activated norm's output."),
+        Impl("hardtanh_bitmask", (nn.Hardtanh,), _hardtanh_forward, _own_forward(nn.Hardtanh),
+             "Hardtanh/ReLU6 saving a 1-bit mask instead of its input. Bitwise gradients."),
+        Impl("leaky_relu_bitmask", (nn.LeakyReLU,), _leaky_forward, _own_forward(nn.LeakyReLU),
+             "LeakyReLU saving a 1-bit mask of x > 0 instead of its input. Bitwise gradients."),
+        Impl("threshold_bitmask", (nn.Threshold,), _threshold_forward, _own_forward(nn.Threshold),
+             "Threshold saving a 1-bit mask instead of its input. Bitwise gradients."),
+        Impl("dropout_bitmask", (nn.Dropout,), _dropout_forward, _own_forward(nn.Dropout),
+             "Dropout saving a 1-bit mask (vs a float noise tensor on CPU, a bool mask on CUDA). Same RNG draws, "
+             "bitwise output and gradients."),
+        Impl("batchnorm_output", (_BatchNorm,), _bn_forward, _bn_applies,
+             "BatchNorm1d/2d/3d saving its output + 1/std instead of its input (the next layer saves the output "
+             "anyway). Running stats exact; gradients ~1e-6 relative in fp32. Falls back to saving the input when "
+             "some gamma == 0. Its output must not be modified in place later (see find_inplace_writers)."),
+        Impl("batchnorm_act_output", (nn.BatchNorm2d,), _timm_bn_act_forward, _timm_bn_act_applies,
+             "timm BatchNormAct2d (act ReLU / LeakyReLU(slope>0) / Identity, no drop): identity and leaky save the "
+             "activated output (shared with the next layer); ReLU saves the pre-activation output instead of the "
+             "input. Gradients ~1e-6 relative in fp32."),
+        Impl("layernorm_output", (nn.LayerNorm,), _ln_forward, _own_forward(nn.LayerNorm),
+             "LayerNorm saving its output + 1/std per row instead of its input + mean. Gradients ~1e-6 relative in "
+             "fp32."),
+        Impl("rmsnorm_output", (nn.Module,), _rms_forward, _rms_applies,
+             "HF Llama-form *RMSNorm saving its output + 1/rms per row instead of an fp32 input copy and the "
+             "normalized tensor. Forward bitwise; gradients ~1e-6 relative in fp32."),
+        Impl("maxpool2d_compact", (nn.MaxPool2d,), _maxpool_forward, _maxpool_applies,
+             "MaxPool2d saving uint8 window offsets instead of its input and int64 indices. Bitwise gradients."),
+        Impl("linear_split_backward", (nn.Linear,), _linear_forward, _own_forward(nn.Linear),
+             "Linear whose backward computes grad_weight first and frees the input before grad_input: lowers the "
+             "backward peak by |input| when the input is held by this layer alone. Bitwise gradients."),
+        Impl("conv2d_split_backward", (nn.Conv2d,), _conv_forward, _conv_applies,
+             "Conv2d (zeros padding, numeric) with the split backward of linear_split_backward. Bitwise on CPU."),
+    ):
+        register_impl(impl)
+
+
+_register_builtin()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in-place hazards
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, list[str]]:
+    """Which module outputs are overwritten in place later in one training forward, and by whom.
+
+    Runs ``model(*args, **kwargs)`` once in training mode with gradients enabled (no backward), then restores the
+    model's buffers (BatchNorm running statistics) and the RNG state. An output-saving implementation
+    (``batchnorm_output``, ``layernorm_output``, ...) must not be installed on a module whose output is written in
+    place by code (``"<code>"``, e.g. ``x += shortcut``) or by a module that keeps running in place.
+    The bitmask activations (``relu_bitmask`` & co.) run out of place on such an output, so they are safe writers.
+
+    Returns:
+        ``{module name: [writer, ...]}``, a writer being a leaf module's name or ``"<code>"``; only modules whose
+        output was overwritten are listed.
+
+    >>> m = nn.Sequential(nn.BatchNorm1d(4), nn.ReLU(inplace=True))
+    >>> find_inplace_writers(m, torch.randn(3, 4))
+    {'0': ['1']}
+    """
+    names = {m: n for n, m in model.named_modules()}
+    tracked: list[tuple[str, torch.Tensor]] = []
+    seen: list[int] = []
+    writers: dict[str, list[str]] = {}
+
+    def scan(who: str) -> None:
+        for i, (name, t) in enumerate(tracked):
+            v = t._version
+            if v != seen[i]:
+                seen[i] = v
+                lst = writers.setdefault(name, [])
+                if who not in lst and who != name:
+                    lst.append(who)
+
+    def pre(mod: nn.Module, inputs: Any) -> None:
+        scan("<code>")
+
+    def post(mod: nn.Module, inputs: Any, output: Any) -> None:
+        leaf = next(iter(mod.children()), None) is None
+        scan(names[mod] if leaf else "<code>")
+        for t in _tensors(output):
+            tracked.append((names[mod], t))
+            seen.append(t._version)
+
+    handles = []
+    for mod in names:
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    was_training = model.training
+    try:
+        model.train()
+        with torch.enable_grad():
+            model(*args, **kwargs)
+        scan("<code>")
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return {k: v for k, v in writers.items() if v}
