@@ -91,6 +91,8 @@ class OpGraph:
         saved_storages: the subset saved by autograd.
         fixed_bytes: parameters, buffers and batch (bytes that exist before the step).
         timeline: the plain step's measured memory, segment by segment (empty when not measured).
+        timeline_compact: the same with every memory-efficient implementation the runtime would use installed
+            (units ``compact_units``); filled by the runtime when it plans.
     """
 
     model: str
@@ -107,6 +109,8 @@ class OpGraph:
     param_bytes: int = 0
     step_time_s: float = 0.0
     timeline: list[SegmentStat] = field(default_factory=list)
+    timeline_compact: list[SegmentStat] = field(default_factory=list)
+    compact_units: list[str] = field(default_factory=list)
 
     # ----------------------------------------------------------------- derived figures
     @property
@@ -206,6 +210,7 @@ class OpGraph:
         d["storages"] = {int(k): int(v) for k, v in d["storages"]}
         d["units"] = [UnitInfo(**u) for u in d["units"]]
         d["timeline"] = [SegmentStat(**t) for t in d.get("timeline", [])]
+        d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         return cls(**d)
 
     @classmethod

@@ -9,6 +9,7 @@ segments by markers only: a unit's forward (module hooks), the code between unit
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from ..batch import Batch
 from ..measure import MemoryMeter
 
 __all__ = ["SegmentStat", "measure_timeline"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,8 +54,35 @@ def measure_timeline(
 ) -> list[SegmentStat]:
     """Run one plain training step of ``model`` and return its segments in execution order.
 
-    The caller restores what the step changes (gradients, buffers, RNG state).
+    What the step changes is put back afterwards: gradients, buffers (BatchNorm statistics), the RNG state.
+    Returns an empty list, with a log line, when a profiler or :class:`MemoryMeter` is already running.
     """
+    from .. import measure
+
+    if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
+        logger.info("a profiler or MemoryMeter is running, so the step's memory timeline is not measured")
+        return []
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    buffers = list(model.buffers())
+    saved = [b.detach().clone() for b in buffers]
+    devices = sorted({t.device.index or 0 for t in params + batch.tensors() if t.device.type == "cuda"})
+    try:
+        for p in params:
+            p.grad = None
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            return _measure(model, batch, loss_fn, units)
+    finally:
+        with torch.no_grad():
+            for b, old in zip(buffers, saved):
+                b.copy_(old)
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def _measure(
+    model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit]
+) -> list[SegmentStat]:
     n = len(units)
     head = n + 1
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}

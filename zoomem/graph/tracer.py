@@ -416,7 +416,10 @@ def trace(
         for h in handles:
             h.remove()
         handles.clear()
-        timeline = _plain_timeline(model, batch, loss_fn, units, buffers, saved_buffers, params, rng_devices) if memory else []
+        with torch.no_grad():  # the timeline run starts from the same state as the traced one
+            for b, old in zip(buffers, saved_buffers):
+                b.copy_(old)
+        timeline = measure_timeline(model, batch, loss_fn, units) if memory else []
     except TraceError:
         raise
     except Exception as e:
@@ -472,31 +475,6 @@ def trace(
         u.input_storages = unit_inputs.get(u.name, [])
     _dedupe_across_units(graph, counted)
     return graph
-
-
-def _plain_timeline(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: Callable[[Any, Batch], torch.Tensor],
-    units: list[Unit],
-    buffers: list[torch.Tensor],
-    saved_buffers: list[torch.Tensor],
-    params: list[torch.Tensor],
-    rng_devices: list[int],
-) -> list[SegmentStat]:
-    """The same step again, plain and from the same state, under the memory meter (see graph/timeline.py)."""
-    from .. import measure
-
-    if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
-        logger.info("trace: a profiler or MemoryMeter is running, so the step's memory timeline is not measured")
-        return []
-    with torch.no_grad():
-        for b, old in zip(buffers, saved_buffers):
-            b.copy_(old)
-    for p in params:
-        p.grad = None
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
-        return measure_timeline(model, batch, loss_fn, units)
 
 
 def _dedupe_across_units(graph: OpGraph, counted: dict[str, set[int]]) -> None:

@@ -60,6 +60,8 @@ class CostModel:
     transient: dict[int, int]
     saved_bytes: dict[str, int]
     step_s: float
+    compact_saving: dict[str, int] = field(default_factory=dict)
+    compact_s: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -176,6 +178,22 @@ class CostModel:
                     op_cheap[op.unit] += op.time_s
         times = {u: unit_time[seg_of_unit[u]] for u in units}
         cheap = {u: times[u] * op_cheap[u] / op_time[u] if op_time[u] > 0 else 0.0 for u in units}
+        compact_saving: dict[str, int] = {}
+        compact_s: dict[str, float] = {}
+        if graph.timeline_compact and len(graph.timeline_compact) == len(graph.timeline):
+            for name in graph.compact_units:
+                seg = seg_of_unit.get(name)
+                if seg is None:
+                    continue
+                pairs = [(a, b) for a, b in zip(graph.timeline, graph.timeline_compact) if a.seg == seg]
+                fwd = [(a, b) for a, b in pairs if a.phase == "forward"]
+                if not fwd:
+                    continue
+                a, b = fwd[0]
+                saving = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
+                if saving > 0:
+                    compact_saving[name] = saving
+                    compact_s[name] = max(0.0, sum(b.time_s - a.time_s for a, b in pairs))
         return cls(
             units=units,
             fixed_bytes=graph.fixed_bytes,
@@ -186,6 +204,8 @@ class CostModel:
             transient=transient,
             saved_bytes={u.name: u.saved_bytes for u in graph.units if u.name in seg_of_unit},
             step_s=sum(t.time_s for t in graph.timeline),
+            compact_saving=compact_saving,
+            compact_s=compact_s,
         )
 
     # ------------------------------------------------------------------ the linear model
@@ -228,8 +248,16 @@ class CostModel:
                 return True
         return False
 
-    def point_bytes(self, point: _Point, decisions: dict[str, Decision]) -> int:
+    def compact_gain(self, point: _Point, unit: str) -> int:
+        """Bytes ``compact`` on a kept ``unit`` takes off this point (its compact forms are held by then)."""
+        seg = self.units.index(unit) + 1
+        return self.compact_saving.get(unit, 0) if point.seg > seg else 0
+
+    def point_bytes(self, point: _Point, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
         total = point.measured
+        for unit in compact:
+            if decisions.get(unit, Decision.KEEP) == Decision.KEEP:
+                total -= self.compact_gain(point, unit)
         for s, c in self._coefficients(point):
             total += c * (int(self.held(s, decisions)) - int(s.base_held))
         if point.phase == "recompute" and 1 <= point.seg <= len(self.units):
@@ -237,12 +265,12 @@ class CostModel:
                 total += self.transient.get(point.seg, 0)
         return total
 
-    def peak(self, decisions: dict[str, Decision]) -> int:
+    def peak(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
         """Predicted forward+backward peak (fixed bytes included) of a set of unit decisions."""
-        return self.fixed_bytes + max((self.point_bytes(p, decisions) for p in self.points), default=0)
+        return self.fixed_bytes + max((self.point_bytes(p, decisions, compact) for p in self.points), default=0)
 
-    def recompute_time(self, decisions: dict[str, Decision]) -> float:
-        total = 0.0
+    def recompute_time(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> float:
+        total = sum(self.compact_s.get(u, 0.0) for u in compact)
         for name, d in decisions.items():
             if d == Decision.RECOMPUTE:
                 total += self.recompute_s.get(name, 0.0)

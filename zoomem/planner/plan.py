@@ -34,12 +34,17 @@ class InfeasibleBudgetError(ValueError):
 
 @dataclass
 class UnitPlan:
-    """One unit's decision and what it costs: bytes kept at the end of forward, seconds of recompute."""
+    """One unit's decision and what it costs: bytes kept at the end of forward, seconds of recompute.
+
+    ``compact`` switches on the memory-efficient implementations of the modules inside the unit (bit-packed
+    masks, output-activated norms, compact pooling indices, split backward): exact storage forms, no recompute.
+    """
 
     name: str
     decision: Decision
     kept_bytes: int = 0
     recompute_s: float = 0.0
+    compact: bool = False
 
     def __post_init__(self) -> None:
         self.decision = Decision(self.decision)
@@ -82,6 +87,9 @@ class Plan:
                 return u.decision
         return Decision.KEEP
 
+    def compact(self, unit: str) -> bool:
+        return any(u.compact for u in self.units if u.name == unit)
+
     @property
     def decisions(self) -> dict[str, Decision]:
         return {u.name: u.decision for u in self.units}
@@ -93,7 +101,7 @@ class Plan:
 
     def summary(self) -> str:
         """Per unit: decision, bytes kept, recompute cost; then the predicted peak against plain PyTorch."""
-        head = f"{'unit':<34} {'decision':<16} {'kept MiB':>9} {'recompute ms':>13}"
+        head = f"{'unit':<34} {'decision':<24} {'kept MiB':>9} {'recompute ms':>13}"
         lines = [
             f"zoomem plan ({self.strategy}{', ' + self.solver if self.solver else ''}, status {self.status}, "
             f"solved in {self.solve_s:.2f} s)",
@@ -102,7 +110,8 @@ class Plan:
         ]
         for u in self.units:
             lines.append(
-                f"{u.name[:34]:<34} {u.decision.value:<16} {u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
+                f"{u.name[:34]:<34} {u.decision.value + (' + compact' if u.compact else ''):<24} "
+                f"{u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
             )
         lines.append("-" * len(head))
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / _MIB:.1f} MiB"

@@ -24,43 +24,56 @@ logger = logging.getLogger(__name__)
 _MIB = 1024**2
 
 
-def _decisions_none(model: CostModel, budget: int | None) -> dict[str, Decision]:
-    return {u: Decision.KEEP for u in model.units}
+Choice = tuple[dict[str, Decision], frozenset[str]]
+"""Per-unit decisions and the units whose compact implementations are on."""
 
 
-def _decisions_all(model: CostModel, budget: int | None) -> dict[str, Decision]:
-    return {u: Decision.RECOMPUTE for u in model.units}
+def _decisions_none(model: CostModel, budget: int | None) -> Choice:
+    return {u: Decision.KEEP for u in model.units}, frozenset()
 
 
-def _decisions_sqrt(model: CostModel, budget: int | None) -> dict[str, Decision]:
+def _decisions_all(model: CostModel, budget: int | None) -> Choice:
+    return {u: Decision.RECOMPUTE for u in model.units}, frozenset()
+
+
+def _decisions_sqrt(model: CostModel, budget: int | None) -> Choice:
     step = max(1, math.ceil(math.sqrt(len(model.units))))
-    return {u: Decision.KEEP if (i + 1) % step == 0 else Decision.RECOMPUTE for i, u in enumerate(model.units)}
+    d = {u: Decision.KEEP if (i + 1) % step == 0 else Decision.RECOMPUTE for i, u in enumerate(model.units)}
+    return d, frozenset()
 
 
-def _decisions_greedy(model: CostModel, budget: int | None) -> dict[str, Decision]:
-    decisions = _decisions_none(model, budget)
+def _decisions_greedy(model: CostModel, budget: int | None) -> tuple[dict[str, Decision], frozenset[str]]:
+    """Apply, one at a time, the move that frees most predicted peak bytes per second it costs."""
+    decisions = {u: Decision.KEEP for u in model.units}
+    compact: frozenset[str] = frozenset()
     if budget is None:
-        return decisions
-    peak = model.peak(decisions)
+        return decisions, compact
+    peak = model.peak(decisions, compact)
     while peak > budget:
         best, best_score, best_peak = None, 0.0, peak
+        moves: list[tuple[str, Decision | None]] = []
         for u in model.units:
-            if decisions[u] != Decision.KEEP:
-                continue
-            for d in (Decision.RECOMPUTE_CHEAP, Decision.RECOMPUTE):
-                if model.recompute_time({u: d}) == float("inf"):
+            if decisions[u] == Decision.KEEP:
+                moves += [(u, Decision.RECOMPUTE_CHEAP), (u, Decision.RECOMPUTE)]
+                if u in model.compact_saving and u not in compact:
+                    moves.append((u, None))  # None: switch on the unit's compact implementations
+        for u, d in moves:
+            if d is None:
+                trial_d, trial_c, cost = decisions, compact | {u}, model.compact_s.get(u, 0.0)
+            else:
+                cost = model.recompute_time({u: d})
+                if cost == float("inf"):
                     continue
-                trial = dict(decisions, **{u: d})
-                p = model.peak(trial)
-                cost = model.recompute_time({u: d}) + 1e-9
-                score = (peak - p) / cost
-                if p < peak and score > best_score:
-                    best, best_score, best_peak = (u, d), score, p
+                trial_d, trial_c = dict(decisions, **{u: d}), compact - {u}
+            p = model.peak(trial_d, trial_c)
+            score = (peak - p) / (cost + 1e-9)
+            if p < peak and score > best_score:
+                best, best_score, best_peak = (trial_d, trial_c), score, p
         if best is None:
             break
-        decisions[best[0]] = best[1]
+        decisions, compact = best
         peak = best_peak
-    return decisions
+    return decisions, compact
 
 
 def _solver(time_limit: float, msg: bool = False):  # type: ignore[no-untyped-def]
@@ -80,7 +93,7 @@ def _available_solvers() -> tuple[str, ...]:
     return tuple(pulp.listSolvers(onlyAvailable=True))
 
 
-def _build(model: CostModel, limit: int | None, relax: bool = False, warm: dict[str, Decision] | None = None):  # type: ignore[no-untyped-def]
+def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choice | None = None):  # type: ignore[no-untyped-def]
     """The program: minimise recompute time s.t. every memory point <= limit (or minimise the peak)."""
     import pulp
 
@@ -94,8 +107,19 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: dict[
         for d in choices:
             x[u, d] = pulp.LpVariable(f"x_{i}_{d.value}", 0, 1, cat)
             if warm is not None:
-                x[u, d].setInitialValue(1 if warm[u] == d else 0)
+                x[u, d].setInitialValue(1 if warm[0][u] == d else 0)
         prob += pulp.lpSum(x[u, d] for d in choices) == 1
+    # compact implementations of unit u: c (switched on), y = c AND keep (its gain needs its tensors kept)
+    c: dict[str, pulp.LpVariable] = {}
+    y: dict[str, pulp.LpVariable] = {}
+    for i, u in enumerate(model.units):
+        if u in model.compact_saving:
+            c[u] = pulp.LpVariable(f"c_{i}", 0, 1, cat)
+            y[u] = pulp.LpVariable(f"y_{i}", 0, 1)
+            prob += y[u] <= c[u]
+            prob += y[u] <= x[u, Decision.KEEP]
+            if warm is not None:
+                c[u].setInitialValue(1 if u in warm[1] else 0)
     keep = lambda seg: x[model.units[seg - 1], Decision.KEEP]  # noqa: E731
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP), 0)  # noqa: E731
     h: dict[int, pulp.LpVariable] = {}
@@ -111,7 +135,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: dict[
             prob += v >= cheap(seg)
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for p in model.points:
-        expr = p.measured + pulp.lpSum(c * (h[s.sid] - int(s.base_held)) for s, c in model._coefficients(p))
+        expr = p.measured + pulp.lpSum(k * (h[s.sid] - int(s.base_held)) for s, k in model._coefficients(p))
+        expr -= pulp.lpSum(model.compact_gain(p, u) * y[u] for u in y)
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         prob += expr <= (peak if peak is not None else limit - model.fixed_bytes)
@@ -119,48 +144,48 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: dict[
         x[u, d] * (model.recompute_s[u] if d == Decision.RECOMPUTE else model.recompute_cheap_s[u])
         for (u, d) in x
         if d != Decision.KEEP
-    )
+    ) + pulp.lpSum(model.compact_s.get(u, 0.0) * c[u] for u in c)
     # minimise time; for the min-peak program minimise the peak first, time as a tie-breaker
     prob += time_cost if peak is None else peak + 1e-3 * time_cost
-    return prob, x
+    return prob, (x, c)
 
 
-def _decode(model: CostModel, x: dict) -> dict[str, Decision]:  # type: ignore[type-arg]
+def _decode(model: CostModel, xc: tuple) -> Choice:  # type: ignore[type-arg]
+    x, c = xc
     out = {}
     for u in model.units:
-        best = max((d for (v, d) in x if v == u), key=lambda d: x[u, d].value() or 0.0)
-        out[u] = best
-    return out
+        out[u] = max((d for (v, d) in x if v == u), key=lambda d: x[u, d].value() or 0.0)
+    compact = frozenset(u for u, var in c.items() if (var.value() or 0.0) > 0.5 and out[u] == Decision.KEEP)
+    return out, compact
 
 
-def min_feasible_budget(model: CostModel, time_limit: float = 10.0) -> tuple[int, dict[str, Decision]]:
-    """The smallest peak any plan reaches (bytes, fixed included), and that plan's decisions."""
-    prob, x = _build(model, None)
+def min_feasible_budget(model: CostModel, time_limit: float = 10.0) -> tuple[int, Choice]:
+    """The smallest peak any plan reaches (bytes, fixed included), and that plan's choice."""
+    prob, xc = _build(model, None)
     prob.solve(_solver(time_limit)[1])
-    decisions = _decode(model, x)
-    return model.peak(decisions), decisions
+    choice = _decode(model, xc)
+    return model.peak(*choice), choice
 
 
-def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0) -> tuple[dict[str, Decision], dict]:  # type: ignore[type-arg]
+def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0) -> tuple[Choice | None, dict]:  # type: ignore[type-arg]
     import pulp
 
     if budget is None:
         return _decisions_none(model, None), {"solver": "", "status": "no budget"}
     warm = _decisions_greedy(model, budget)
     name, solver = _solver(time_limit)
-    prob, x = _build(model, budget, warm=warm)
+    prob, xc = _build(model, budget, warm=warm)
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     relaxed, _ = _build(model, budget, relax=True)
     relaxed.solve(_solver(time_limit)[1])
     bound = pulp.value(relaxed.objective) if pulp.LpStatus[relaxed.status] == "Optimal" else None
     if status != "Optimal":
-        return {}, {"solver": name, "status": status, "lp_bound": bound}
-    decisions = _decode(model, x)
-    return decisions, {"solver": name, "status": status.lower(), "lp_bound": float(bound) if bound is not None else None}
+        return None, {"solver": name, "status": status, "lp_bound": bound}
+    return _decode(model, xc), {"solver": name, "status": status.lower(), "lp_bound": float(bound) if bound is not None else None}
 
 
-STRATEGIES: dict[str, Callable[[CostModel, int | None], dict[str, Decision]]] = {
+STRATEGIES: dict[str, Callable[[CostModel, int | None], Choice]] = {
     "none": _decisions_none,
     "all": _decisions_all,
     "sqrt": _decisions_sqrt,
@@ -190,15 +215,16 @@ def make_plan(
     t0 = time.perf_counter()
     info: dict = {"solver": "", "status": "optimal"}  # type: ignore[type-arg]
     target = None if budget is None else int(budget / (1 + margin))
-    baseline = model.peak(_decisions_none(model, None))
+    baseline = model.peak(*_decisions_none(model, None))
     if budget is not None and budget >= baseline and strategy in ("ilp", "greedy"):
         target = None  # plain PyTorch fits: its peak is measured, not predicted, so it needs no margin
+    choice: Choice | None
     if strategy == "ilp":
-        decisions, info = _decisions_ilp(model, target, time_limit)
+        choice, info = _decisions_ilp(model, target, time_limit)
     else:
-        decisions = STRATEGIES[strategy](model, target)
+        choice = STRATEGIES[strategy](model, target)
     solve_s = time.perf_counter() - t0
-    peak = model.peak(decisions) if decisions else None
+    peak = model.peak(*choice) if choice else None
     if target is not None and (peak is None or (strategy in ("ilp", "greedy") and peak > target)):
         smallest = min(math.ceil(min_feasible_budget(model, time_limit)[0] * (1 + margin)), baseline)
         raise InfeasibleBudgetError(
@@ -208,7 +234,8 @@ def make_plan(
             "the batch). Raise the budget to at least that, or lower the batch size.",
             smallest,
         )
-    assert peak is not None
+    assert peak is not None and choice is not None
+    decisions, compact = choice
     if budget is not None and peak > budget:
         logger.warning(
             "strategy %r predicts a peak of %.1f MiB, above the budget of %.1f MiB", strategy, peak / _MIB, budget / _MIB
@@ -218,7 +245,8 @@ def make_plan(
             name=u,
             decision=decisions[u],
             kept_bytes=model.kept_bytes(u, decisions),
-            recompute_s=model.recompute_time({u: decisions[u]}),
+            recompute_s=model.recompute_time({u: decisions[u]}, compact & {u}),
+            compact=u in compact,
         )
         for u in model.units
     ]
@@ -229,7 +257,7 @@ def make_plan(
         fixed_bytes=model.fixed_bytes,
         predicted_peak_bytes=peak,
         baseline_peak_bytes=baseline,
-        recompute_s=model.recompute_time(decisions),
+        recompute_s=model.recompute_time(decisions, compact),
         step_s=model.step_s,
         solver=info.get("solver", ""),
         status=info.get("status", "optimal"),

@@ -20,8 +20,11 @@ from torch import nn
 from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..graph import OpGraph, trace
+from ..graph.timeline import measure_timeline
 from ..measure import holder_bytes
 from ..planner import CostModel, Decision, Plan, make_plan, parse_budget
+from .compact import choose_impls, install_all, install_switched
+from .patch import set_forward
 from .units import run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
@@ -48,7 +51,12 @@ class _Handle:
     busy: bool = False
     enabled: bool = True
     undo: list[Callable[[], None]] = field(default_factory=list)
+    impl_undos: list[Callable[[], None]] = field(default_factory=list)
     last_graph: OpGraph | None = None
+
+    def compact_on(self, unit: str) -> bool:
+        """Whether the running plan switches on the memory-efficient implementations inside ``unit``."""
+        return self.active is not None and self.active.compact(unit)
 
     def clear_cache(self) -> None:
         """Forget every cached plan: the next training forward plans again."""
@@ -104,13 +112,30 @@ def _make(
 ) -> Plan:
     graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     handle = model.__dict__.get(_ATTR)
+    units = adapter.units(model)
+    chosen = choose_impls(model, units, batch)
+    if any(chosen.values()) and graph.timeline:
+        # measure once with every candidate implementation on: what `compact` saves per unit, and costs
+        undo = install_all(chosen)
+        try:
+            graph.timeline_compact = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units)
+        finally:
+            undo()
+        graph.compact_units = [u for u, pairs in chosen.items() if pairs]
     if handle is not None:
         handle.last_graph = graph
+        if not handle.impl_undos and any(chosen.values()):
+            handle.impl_undos = install_switched(chosen, handle.compact_on)
+            handle.undo.extend(handle.impl_undos)
     costs = CostModel.from_graph(graph)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer, model)
     baseline = costs.peak({u: Decision.KEEP for u in costs.units})
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
     return make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
+
+
+def _loss(adapter: Adapter, model: nn.Module, loss_fn: Callable[[Any, Batch], torch.Tensor] | None):  # type: ignore[no-untyped-def]
+    return loss_fn or (lambda out, b: adapter.loss(model, b, out))
 
 
 def plan(
@@ -159,21 +184,6 @@ def plan(
     finally:
         if handle is not None:
             handle.busy = False
-
-
-def _set_forward(module: nn.Module, new: Callable[..., Any]) -> Callable[[], None]:
-    """Replace ``module.forward`` on the instance; return the undo."""
-    had_own = "forward" in module.__dict__
-    old_own = module.__dict__.get("forward")
-    module.forward = new  # type: ignore[method-assign]
-
-    def undo() -> None:
-        if had_own:
-            module.forward = old_own  # type: ignore[method-assign]
-        else:
-            module.__dict__.pop("forward", None)
-
-    return undo
 
 
 def wrap(
@@ -234,9 +244,9 @@ def wrap(
         finally:
             handle.active = None
 
-    handle.undo.append(_set_forward(model, model_forward))
+    handle.undo.append(set_forward(model, model_forward))
     for unit in handle.units:
-        handle.undo.append(_set_forward(unit.module, _unit_forward(handle, unit)))
+        handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
         handle.plan_for(Batch.of(batch))
     return model

@@ -1,0 +1,84 @@
+"""Which memory-efficient implementations a unit can switch on, and switching them per plan.
+
+For every module inside a unit the first registered :class:`~zoomem.ops.Impl` that applies is a candidate,
+except output-saving ones (BatchNorm/LayerNorm/RMSNorm reconstructing their input from their output) on a
+module whose output is later overwritten in place (``x += shortcut``): there they would be wrong, so they are
+left out. A unit's candidates are switched on together when its plan says ``compact``; the planner knows
+what that saves because the runtime measured the step's timeline once with all of them on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..adapters import Unit
+from ..batch import Batch
+from ..ops import Impl, find_inplace_writers, impls_for
+from .patch import set_forward
+
+__all__ = ["OUTPUT_SAVING", "choose_impls", "install_switched", "install_all"]
+
+OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernorm_output", "rmsnorm_output"})
+"""Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
+
+
+def choose_impls(model: nn.Module, units: list[Unit], batch: Batch) -> dict[str, list[tuple[nn.Module, Impl]]]:
+    """Per unit name: the (module, implementation) pairs its ``compact`` switch turns on."""
+    candidates: dict[str, list[tuple[str, nn.Module, Impl]]] = {}
+    for unit in units:
+        for name, mod in unit.module.named_modules():
+            if mod is unit.module:
+                continue  # the unit's own forward runs the plan; implementations go on the modules inside
+            impls = impls_for(mod)
+            if impls:
+                full = f"{unit.name}.{name}" if unit.name else name
+                candidates.setdefault(unit.name, []).append((full, mod, impls[0]))
+    writers: dict[str, list[str]] = {}
+    if any(impl.name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impl in pairs):
+        writers = find_inplace_writers(model, *batch.args, **batch.kwargs)
+    return {
+        unit: [(mod, impl) for full, mod, impl in pairs if not (impl.name in OUTPUT_SAVING and full in writers)]
+        for unit, pairs in candidates.items()
+    }
+
+
+def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[], None]:
+    """Switch every chosen implementation on (for measuring); returns the undo."""
+    undos = [set_forward(mod, functools.partial(_call_impl, mod, impl, mod.forward)) for pairs in chosen.values()
+             for mod, impl in pairs]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+def install_switched(
+    chosen: dict[str, list[tuple[nn.Module, Impl]]], is_on: Callable[[str], bool]
+) -> list[Callable[[], None]]:
+    """Install each chosen implementation behind a switch: it runs when ``is_on(unit)`` is true."""
+    undos = []
+    for unit, pairs in chosen.items():
+        for mod, impl in pairs:
+            undos.append(set_forward(mod, functools.partial(_switched, unit, is_on, mod, impl, mod.forward)))
+    return undos
+
+
+def _call_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if module.training and torch.is_grad_enabled():
+        return impl.forward(module, *args, **kwargs)
+    return original(*args, **kwargs)
+
+
+def _switched(
+    unit: str, is_on: Callable[[str], bool], module: nn.Module, impl: Impl, original: Callable[..., Any],
+    *args: Any, **kwargs: Any,
+) -> Any:
+    if is_on(unit):
+        return _call_impl(module, impl, original, *args, **kwargs)
+    return original(*args, **kwargs)
