@@ -145,15 +145,18 @@ def test_wrap_twice_warns_and_disabled_runs_original() -> None:
 
 
 def test_plan_json_summary_and_strategies() -> None:
+    from zoomem.planner import CostModel, make_plan
+
     model, adapter, batch = zoo.small("timm/resnet50", batch_size=16)  # activations matter at this size
-    plans = {s: zoomem.plan(model, batch, None, strategy=s, adapter=adapter) for s in ("none", "all", "sqrt")}
+    costs = CostModel.from_graph(zoomem.trace(model, batch, adapter=adapter))  # one trace: comparable times
+    plans = {s: make_plan(costs, None, s) for s in ("none", "all", "sqrt")}
     assert all(u.decision == Decision.KEEP for u in plans["none"].units)
     assert all(u.decision == Decision.RECOMPUTE for u in plans["all"].units)
     assert plans["all"].predicted_peak_bytes < plans["none"].predicted_peak_bytes
     assert plans["all"].recompute_s > plans["sqrt"].recompute_s > 0
     budget = (plans["none"].predicted_peak_bytes + plans["all"].predicted_peak_bytes) // 2
-    ilp = zoomem.plan(model, batch, budget, adapter=adapter)
-    greedy = zoomem.plan(model, batch, budget, strategy="greedy", adapter=adapter)
+    ilp = make_plan(costs, budget, "ilp")
+    greedy = make_plan(costs, budget, "greedy")
     assert ilp.predicted_peak_bytes <= budget and greedy.predicted_peak_bytes <= budget
     assert ilp.recompute_s <= greedy.recompute_s + 1e-9  # the ILP is warm-started from greedy
     assert ilp.lp_bound is not None and ilp.lp_bound <= ilp.recompute_s + 1e-9
