@@ -12,6 +12,18 @@ Each model is built with random weights (nothing is downloaded), stepped twice w
 ``measure_step``; the second step (optimizer state already created: the steady state) is reported. Progress goes
 to stderr (tqdm), the table to stdout, the full reports to the JSON file (with each step's wall time, profiler on: a
 feasibility figure, not an overhead measure).
+
+- ``sweep``: peak memory against step-time overhead, per model (:data:`SWEEP_SIZES`), all methods in one
+  process: plain PyTorch, the zoo's own full checkpointing, ``torch.compile`` with an activation memory budget
+  (where it runs), zoomem's ILP at 100..40% of PyTorch's peak and at the minimum feasible budget, zoomem's
+  ``all`` and ``sqrt``. Plans are made before any timing; steps are timed without the meter, interleaved (one step
+  of each method per round, order rotated), the median over ``--steps`` rounds after ``--warmup``; one more metered
+  step per method gives the forward+backward peak. Then the ILP solve time on BERT-large and ResNet-152 at batch
+  32 (:data:`SOLVE_SIZES`). Writes a JSON, a PNG (peak against overhead, one subplot per model) and prints the
+  tables and the project's targets, judged on the numbers.
+
+    python scripts/bench.py sweep [--quick] [--models ID ...] [--steps 5] [--out benchmarks/sweep.json]
+        [--plot benchmarks/sweep.png] [--markdown]
 """
 
 from __future__ import annotations
@@ -284,6 +296,861 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
+# -- sweep: peak memory against overhead -------------------------------------------------------------------------
+
+SWEEP_SIZES: dict[str, BenchSize] = {
+    "timm/resnet50": BenchSize(16, _IMG224),
+    "hf/bert-base-uncased": BenchSize(4, {"seq_len": 512}, {"num_hidden_layers": 6}),
+    "hf/gpt2": BenchSize(2, {"seq_len": 512}, {"n_layer": 6}),
+    "pyg/gcn": BenchSize(1, {"num_nodes": 100_000, "num_edges": 1_000_000}),
+}
+"""Default ``sweep`` sizes: batches at which activations are most of plain PyTorch's forward+backward peak while
+one step stays within seconds on a 2-core CPU. The two HF layouts keep 6 of their 12 layers (hidden sizes, heads,
+vocabularies as released) so that a step at sequence length 512 fits that time."""
+
+_FULL_LAYERS = {"hf/bert-base-uncased": ("num_hidden_layers", 12), "hf/gpt2": ("n_layer", 12),
+                "hf/bert-large-uncased": ("num_hidden_layers", 24)}
+
+SWEEP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+"""zoomem ILP budgets, as fractions of plain PyTorch's forward+backward peak (the one zoomem's trace measures)."""
+QUICK_FRACTIONS = (0.6,)
+"""``--quick``: one fraction, plus the minimum feasible budget."""
+
+SOLVE_SIZES: dict[str, BenchSize] = {
+    "hf/bert-large-uncased": BenchSize(32, {"seq_len": 128}),
+    "timm/resnet152": BenchSize(32, _IMG224),
+}
+"""The ILP solve-time check: real layouts at batch 32 (BERT-large at sequence length 128)."""
+
+COMPILE_MODELS = ("timm/resnet50",)
+"""Models the sweep tries ``torch.compile`` (with an activation memory budget) on."""
+
+TARGET_OVERHEAD = 1.10
+TARGET_PEAK_RATIO = 1 / 3
+TARGET_SOLVE_S = 10.0
+TARGET_A_MODELS = ("timm/resnet50", "hf/bert-base-uncased")
+
+
+def _median(xs: Sequence[float]) -> float:
+    import statistics
+
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _opt_state_bytes(optimizer: Any, model: Any) -> int:
+    """What ``zoomem.plan(optimizer=...)`` counts: the optimizer's state, or Adam's 2x parameters before step 1."""
+    import torch
+
+    from zoomem.measure import holder_bytes
+
+    if optimizer.state:
+        return holder_bytes(list(optimizer.state.values()))
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return 0
+
+
+class _CostsPlanner:
+    """Plans many budgets from one trace, as ``zoomem.plan`` does for one (trace, cost model, ``make_plan``).
+
+    ``zoomem.plan`` traces the step (two extra steps) on each call; a sweep of ten budgets traces once.
+    """
+
+    def __init__(self, model: Any, batch: Any, adapter: Any, loss_fn: Any, optimizer: Any, time_limit: float):
+        import zoomem
+        from zoomem.planner import CostModel, Decision
+
+        t0 = time.perf_counter()
+        graph = zoomem.trace(model, batch, adapter=adapter, loss_fn=loss_fn)
+        self.trace_s = time.perf_counter() - t0
+        self.costs = CostModel.from_graph(graph)
+        del graph
+        self.costs.fixed_bytes += _opt_state_bytes(optimizer, model)
+        self.baseline = self.costs.peak({u: Decision.KEEP for u in self.costs.units})
+        self.time_limit = time_limit
+        self.min_budget: int | None = None
+        self.min_search_s = 0.0
+
+    def plan(self, budget: int | None, strategy: str = "ilp") -> Any:
+        from zoomem.planner import make_plan
+
+        return make_plan(self.costs, budget, strategy=strategy, time_limit=self.time_limit)
+
+    def find_min_budget(self) -> int:
+        """``InfeasibleBudgetError.min_budget`` of a budget no plan meets (1 byte)."""
+        import zoomem
+
+        t0 = time.perf_counter()
+        try:
+            self.plan(1)
+        except zoomem.InfeasibleBudgetError as exc:
+            self.min_budget = int(exc.min_budget)
+        else:  # pragma: no cover - a 1-byte budget cannot be met
+            raise RuntimeError("a 1-byte budget was reported feasible")
+        self.min_search_s = time.perf_counter() - t0
+        return self.min_budget
+
+    def plan_min(self) -> Any:
+        """The ILP plan at the minimum feasible budget (nudged up by 0.01% steps if rounding makes it miss)."""
+        import zoomem
+
+        assert self.min_budget is not None
+        budget = self.min_budget
+        for _ in range(5):
+            try:
+                return self.plan(budget)
+            except zoomem.InfeasibleBudgetError:
+                budget = int(budget * 1.0001) + 1
+        return self.plan(budget)
+
+
+def _plan_info(plan: Any) -> dict[str, Any]:
+    from zoomem.planner import Decision
+
+    return {
+        "strategy": plan.strategy,
+        "budget_bytes": plan.budget_bytes,
+        "predicted_peak_mib": plan.predicted_peak_bytes / MIB,
+        "predicted_pytorch_peak_mib": plan.baseline_peak_bytes / MIB,
+        "predicted_overhead": plan.overhead,
+        "solve_s": plan.solve_s,
+        "solver": plan.solver,
+        "status": plan.status,
+        "units": len(plan.units),
+        "recomputed": sum(u.decision == Decision.RECOMPUTE for u in plan.units),
+        "recomputed_cheap": sum(u.decision == Decision.RECOMPUTE_CHEAP for u in plan.units),
+    }
+
+
+@dataclass
+class _Method:
+    """One way to run the training step; ``enter``/``leave`` switch the shared model to it and back."""
+
+    key: str
+    label: str
+    kind: str  # "pytorch", "peer" or "zoomem"
+    model: Any
+    optimizer: Any
+    loss_fn: Any
+    enter: Callable[[], None] = lambda: None
+    leave: Callable[[], None] = lambda: None
+    budget: str = "—"
+    budget_frac: float | None = None
+    plan: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    report: Any = None
+    error: str | None = None
+
+
+def _zoomem_switch(model: Any, plan: Any, batch: Any, adapter: Any, optimizer: Any, loss_fn: Any):
+    """``enter``/``leave`` that wrap the model with a plan made beforehand (no re-trace) and unwrap it."""
+    import zoomem
+    from zoomem.batch import Batch
+
+    sig = (Batch(batch.args, batch.kwargs).signature(), True)  # the key wrap's plan cache uses in training mode
+
+    def enter() -> None:
+        zoomem.wrap(model, plan.budget_bytes, strategy=plan.strategy, adapter=adapter, optimizer=optimizer,
+                    loss_fn=loss_fn)
+        model.__dict__["_zoomem"].plans[sig] = plan
+
+    def leave() -> None:
+        plans = model.__dict__["_zoomem"].plans
+        zoomem.unwrap(model)
+        if len(plans) != 1 or next(iter(plans.values())) is not plan:
+            raise RuntimeError("zoomem planned again inside the sweep (the batch signature changed?)")
+
+    return enter, leave
+
+
+def _native_switch(model: Any, adapter: Any):
+    def enter() -> None:
+        adapter.set_native_checkpointing(model, True)
+
+    def leave() -> None:
+        adapter.set_native_checkpointing(model, False)
+
+    return enter, leave
+
+
+def _train_step(model: Any, batch: Any, loss_fn: Any, optimizer: Any) -> None:
+    output = batch.call(model)
+    loss = loss_fn(output, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _Alarm:
+    """Raise TimeoutError in the main thread after ``seconds`` (no-op where SIGALRM is missing)."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+
+    def _fire(self, *_: Any) -> None:
+        raise TimeoutError(f"{self.what} did not finish in {self.seconds:.0f} s")
+
+    def __enter__(self) -> "_Alarm":
+        import signal
+
+        if hasattr(signal, "SIGALRM") and self.seconds > 0:
+            self._old = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        if hasattr(signal, "SIGALRM") and self.seconds > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._old)
+
+
+def _compile_method(model: Any, adapter: Any, batch: Any, budget: float, timeout: float) -> _Method:
+    """``torch.compile`` of a copy of the model under ``activation_memory_budget``, compiled (first step) now."""
+    import copy
+
+    import torch
+    import torch._functorch.config as functorch_config
+
+    label = f"torch.compile, activation_memory_budget={budget:g}"
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(twin.parameters(), foreach=True)
+    compiled = torch.compile(twin)
+
+    def loss_fn(output: Any, b: Any) -> Any:
+        return adapter.loss(twin, b, output)
+
+    m = _Method("compile", label, "peer", compiled, opt, loss_fn)
+    patches: list[Any] = []
+
+    def enter() -> None:
+        patches.append(functorch_config.patch(activation_memory_budget=budget))
+        patches[-1].__enter__()
+
+    def leave() -> None:
+        patches.pop().__exit__(None, None, None)
+
+    m.enter, m.leave = enter, leave
+    t0 = time.perf_counter()
+    try:
+        with functorch_config.patch(activation_memory_budget=budget), _Alarm(timeout, "compilation"):
+            _train_step(compiled, batch, loss_fn, opt)  # compiles forward and backward
+            _train_step(compiled, batch, loss_fn, opt)  # the first step may recompile once (optimizer state)
+    except Exception as exc:  # noqa: BLE001 - any failure is a result: "did not run"
+        m.error = f"did not run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        logger.warning("torch.compile on %s: %s", type(model).__name__, m.error)
+    m.info["compile_s"] = time.perf_counter() - t0
+    m.info["activation_memory_budget"] = budget
+    return m
+
+
+def _spec_of(model_id: str, quick: bool, table: dict[str, BenchSize]) -> BenchSize:
+    from zoomem import zoo
+
+    if quick:
+        s = zoo.SMALL[model_id]
+        return BenchSize(s.batch_size, dict(s.sizes), dict(s.overrides))
+    return table[model_id]
+
+
+def _layers_note(model_id: str, spec: BenchSize, quick: bool) -> str:
+    if quick:
+        return "zoo.small variant"
+    if model_id in _FULL_LAYERS:
+        key, full = _FULL_LAYERS[model_id]
+        n = spec.overrides.get(key, full)
+        return f"{n} of {full} layers" if n != full else f"{full} layers"
+    return "full layout"
+
+
+def sweep_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[str, Any]:
+    """All methods of one model in this process: plan, interleaved timing, then one metered step each."""
+    import gc
+
+    import torch
+
+    import zoomem
+    from zoomem import zoo
+    from zoomem.measure import measure_step
+
+    def say(msg: str) -> None:
+        (bar.write if bar is not None else print)(f"{model_id}: {msg}", file=sys.stderr)
+
+    spec = _spec_of(model_id, args.quick, SWEEP_SIZES)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, adapter = zoo.build(model_id, **spec.overrides)
+    batch = adapter.example_batch(model, spec.batch_size, **spec.sizes)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=args.foreach)
+
+    def loss_fn(output: Any, b: Any) -> Any:
+        return adapter.loss(model, b, output)
+
+    _train_step(model, batch, loss_fn, optimizer)  # creates AdamW's state: every later step is a steady one
+    build_s = time.perf_counter() - t0
+
+    # -- plans (before any timing) --
+    planner = _CostsPlanner(model, batch, adapter, loss_fn, optimizer, args.time_limit)
+    say(f"traced in {planner.trace_s:.1f} s; predicted PyTorch peak {planner.baseline / MIB:.0f} MiB")
+    min_budget = planner.find_min_budget()
+    say(f"minimum feasible budget {min_budget / MIB:.0f} MiB ({min_budget / planner.baseline:.0%}), "
+        f"found in {planner.min_search_s:.1f} s")
+
+    methods: list[_Method] = [_Method("pytorch", "plain PyTorch", "pytorch", model, optimizer, loss_fn)]
+    native = _Method("native", "", "peer", model, optimizer, loss_fn)
+    if adapter.set_native_checkpointing(model, False):
+        native.label = {"hf": "HF gradient_checkpointing_enable"}.get(adapter.name, "timm set_grad_checkpointing")
+        native.enter, native.leave = _native_switch(model, adapter)
+    else:
+        p = planner.plan(None, "all")
+        native.label = f"full checkpointing ({adapter.name} has none: zoomem `all`)"
+        native.plan, native.info = p, _plan_info(p)
+        native.enter, native.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn)
+    methods.append(native)
+
+    skipped: list[dict[str, Any]] = []
+    fractions = QUICK_FRACTIONS if args.quick else SWEEP_FRACTIONS
+    from zoomem.planner import parse_budget
+
+    for frac in fractions:
+        budget = parse_budget(frac, baseline_peak=planner.baseline)
+        assert budget is not None
+        if budget < min_budget:
+            skipped.append({"budget_frac": frac, "budget_bytes": budget,
+                            "reason": f"below the minimum feasible budget ({min_budget / MIB:.0f} MiB)"})
+            continue
+        m = _Method(f"ilp@{frac:.0%}", "zoomem ILP", "zoomem", model, optimizer, loss_fn,
+                    budget=f"{frac:.0%}", budget_frac=frac)
+        try:
+            m.plan = planner.plan(budget)
+        except zoomem.InfeasibleBudgetError as exc:
+            m.error = f"infeasible: {exc}"
+        else:
+            m.info = _plan_info(m.plan)
+            m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn)
+        methods.append(m)
+    m = _Method("ilp@min", "zoomem ILP", "zoomem", model, optimizer, loss_fn,
+                budget=f"min ({min_budget / planner.baseline:.0%})", budget_frac=min_budget / planner.baseline)
+    m.plan = planner.plan_min()
+    m.info = _plan_info(m.plan)
+    m.info["min_search_s"] = planner.min_search_s
+    m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn)
+    methods.append(m)
+    for strategy in ("all", "sqrt"):
+        p = planner.plan(None, strategy)
+        m = _Method(strategy, f"zoomem `{strategy}`", "zoomem", model, optimizer, loss_fn, plan=p, info=_plan_info(p))
+        m.enter, m.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn)
+        methods.append(m)
+
+    if args.quick:
+        compile_m = None
+        compile_note = "not tried (--quick)"
+    elif model_id in args.compile_models:
+        say("compiling (torch.compile, first steps)")
+        compile_m = _compile_method(model, adapter, batch, args.compile_budget, args.compile_timeout)
+        methods.insert(2, compile_m)
+        compile_note = compile_m.error or f"compiled in {compile_m.info['compile_s']:.0f} s"
+        say(f"torch.compile: {compile_note}")
+    else:
+        compile_m = None
+        compile_note = f"not tried (the sweep tries torch.compile on {', '.join(args.compile_models) or 'no model'})"
+
+    # -- interleaved timing: one step of each method per round, order rotated every round --
+    runnable = [m for m in methods if m.error is None]
+    rounds = args.warmup + args.steps
+    for r in range(rounds):
+        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)]
+        for m in order:
+            m.enter()
+            try:
+                t = time.perf_counter()
+                _train_step(m.model, batch, m.loss_fn, m.optimizer)
+                dt = time.perf_counter() - t
+            finally:
+                m.leave()
+            if r >= args.warmup:
+                m.times.append(dt)
+        say(f"round {r + 1}/{rounds} done" + (" (warm-up)" if r < args.warmup else ""))
+
+    # -- memory: one metered step of each method --
+    for m in runnable:
+        gc.collect()
+        m.enter()
+        try:
+            m.report = measure_step(m.model, batch, m.loss_fn, m.optimizer)
+        finally:
+            m.leave()
+
+    ref = methods[0]
+    ref_time = _median(ref.times)
+    ref_peak = _fwd_bwd(ref.report)
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m.key, "label": m.label, "kind": m.kind, "budget": m.budget,
+                               "budget_frac": m.budget_frac, **m.info}
+        if m.error is not None:
+            row["error"] = m.error
+        else:
+            rep = m.report
+            peak = _fwd_bwd(rep)
+            row.update({
+                "fwd_bwd_peak_mib": peak / MIB,
+                "pct_of_pytorch": 100.0 * peak / ref_peak,
+                "activation_mib": rep.activation_bytes / MIB,
+                "optimizer_peak_mib": rep.phases["optimizer"].peak_bytes / MIB,
+                "step_peak_mib": rep.peak_bytes / MIB,
+                "step_s": m.times,
+                "median_step_s": _median(m.times),
+                "overhead": _median(m.times) / ref_time,
+                "report": rep.to_dict(),
+            })
+        rows.append(row)
+    if compile_m is None:
+        rows.insert(2, {"method": "compile", "label": f"torch.compile, activation_memory_budget={args.compile_budget:g}",
+                        "kind": "peer", "budget": "—", "budget_frac": None, "error": compile_note})
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    result = {
+        "id": model_id,
+        "variant": "small" if args.quick else "sweep",
+        "layers": _layers_note(model_id, spec, args.quick),
+        "batch_size": spec.batch_size,
+        "sizes": _sizes_of(batch, spec, model_id),
+        "overrides": spec.overrides,
+        "num_params": n_params,
+        "param_mib": _param_bytes(model) / MIB,
+        "build_s": build_s,
+        "trace_s": planner.trace_s,
+        "predicted_pytorch_peak_mib": planner.baseline / MIB,
+        "min_budget_mib": min_budget / MIB,
+        "min_budget_frac": min_budget / planner.baseline,
+        "min_search_s": planner.min_search_s,
+        "pytorch_median_step_s": ref_time,
+        "skipped_budgets": skipped,
+        "methods": rows,
+    }
+    del methods, runnable, planner, model, optimizer
+    gc.collect()
+    return result
+
+
+def _fwd_bwd(report: Any) -> int:
+    ph = report.phases
+    return max(ph["forward"].peak_bytes, ph["backward"].peak_bytes)
+
+
+# -- solve time ---------------------------------------------------------------------------------------------------
+
+
+def solve_one(model_id: str, batch_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Trace one step of ``model_id`` at ``batch_size`` and time the ILP at every sweep budget and the minimum."""
+    import gc
+
+    import torch
+
+    import zoomem
+    from zoomem import zoo
+    from zoomem.planner import parse_budget
+
+    spec = SOLVE_SIZES[model_id]
+    torch.manual_seed(args.seed)
+    model, adapter = zoo.build(model_id, **spec.overrides)
+    batch = adapter.example_batch(model, batch_size, **spec.sizes)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=args.foreach)  # no state yet: Adam's 2x params counted
+    loss_fn = lambda output, b: adapter.loss(model, b, output)  # noqa: E731
+    with _Alarm(args.trace_timeout, "the trace"):
+        planner = _CostsPlanner(model, batch, adapter, loss_fn, optimizer, args.time_limit)
+    print(f"{model_id} b{batch_size}: traced in {planner.trace_s:.0f} s", file=sys.stderr, flush=True)
+    del batch
+    gc.collect()
+    min_budget = planner.find_min_budget()
+    solves = [{"budget": "min (search)", "budget_frac": None, "solve_s": planner.min_search_s,
+               "note": "InfeasibleBudgetError for a 1-byte budget, incl. the minimum-peak ILP"}]
+    for frac in SWEEP_FRACTIONS:
+        budget = parse_budget(frac, baseline_peak=planner.baseline)
+        if budget < min_budget:
+            continue
+        try:
+            p = planner.plan(budget)
+        except zoomem.InfeasibleBudgetError as exc:
+            solves.append({"budget": f"{frac:.0%}", "budget_frac": frac, "error": str(exc)})
+            continue
+        solves.append({"budget": f"{frac:.0%}", "budget_frac": frac, **_plan_info(p)})
+    p = planner.plan_min()
+    solves.append({"budget": f"min ({min_budget / planner.baseline:.0%})", "budget_frac": min_budget / planner.baseline,
+                   **_plan_info(p)})
+    times = [s["solve_s"] for s in solves if "solve_s" in s]
+    return {
+        "id": model_id,
+        "layers": _layers_note(model_id, spec, False),
+        "batch_size": batch_size,
+        "sizes": dict(spec.sizes),
+        "units": len(planner.costs.units),
+        "memory_points": len(planner.costs.points),
+        "storages": len(planner.costs.storages),
+        "trace_s": planner.trace_s,
+        "predicted_pytorch_peak_mib": planner.baseline / MIB,
+        "min_budget_mib": min_budget / MIB,
+        "max_solve_s": max(times) if times else None,
+        "solves": solves,
+    }
+
+
+def cmd_solve_child(args: argparse.Namespace) -> int:
+    """Hidden subcommand: :func:`solve_one` in a process of its own (the parent retries smaller on a timeout)."""
+    try:
+        result = solve_one(args.model, args.batch_size, args)
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("solve %s b%d failed", args.model, args.batch_size)
+        result = {"id": args.model, "batch_size": args.batch_size, "error": f"{type(exc).__name__}: {exc}"}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def solve_section(models: Sequence[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each model in a child process; a trace over ``--trace-timeout`` retries at half the batch, said so."""
+    import subprocess
+    import tempfile
+
+    out: list[dict[str, Any]] = []
+    for model_id in models:
+        batch_size = SOLVE_SIZES[model_id].batch_size
+        attempts: list[dict[str, Any]] = []
+        while True:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "solve.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "_solve", model_id, str(batch_size),
+                       "--out", str(path), "--seed", str(args.seed), "--time-limit", str(args.time_limit),
+                       "--trace-timeout", str(args.trace_timeout)]
+                if args.threads:
+                    cmd += ["--threads", str(args.threads)]
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, stderr=None, timeout=args.trace_timeout + 1800)
+                wall = time.perf_counter() - t0
+                if path.exists():
+                    r = json.loads(path.read_text())
+                else:
+                    r = {"id": model_id, "batch_size": batch_size,
+                         "error": f"the child process exited with {proc.returncode} and no result (out of memory?)"}
+            r["wall_s"] = wall
+            if "error" not in r:
+                break
+            attempts.append(r)
+            print(f"{model_id} b{batch_size}: {r['error']}", file=sys.stderr, flush=True)
+            if batch_size <= 4:
+                break
+            batch_size //= 2
+        if attempts and "error" not in r:
+            r["smaller_batch_because"] = [f"b{a['batch_size']}: {a['error']}" for a in attempts]
+        out.append(r)
+    return out
+
+
+# -- targets, tables, plot ----------------------------------------------------------------------------------------
+
+
+def _ok_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in result.get("methods", []) if "error" not in m]
+
+
+def evaluate_targets(results: Sequence[dict[str, Any]], solve: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The project's targets, judged on the measured numbers (ILP points are zoomem's curve)."""
+    a, b = [], []
+    for r in results:
+        if "error" in r:
+            continue
+        rows = _ok_rows(r)
+        ref = next(m for m in rows if m["method"] == "pytorch")
+        ilp = [m for m in rows if m["method"].startswith("ilp@")]
+        if r["id"] in TARGET_A_MODELS:
+            within = [m for m in ilp if m["overhead"] <= TARGET_OVERHEAD]
+            best = min(within, key=lambda m: m["fwd_bwd_peak_mib"]) if within else None
+            entry = {"id": r["id"], "pytorch_peak_mib": ref["fwd_bwd_peak_mib"],
+                     "target_peak_mib": ref["fwd_bwd_peak_mib"] * TARGET_PEAK_RATIO}
+            if best is None:
+                entry.update(met=False, best=None, note=f"no ILP point within {TARGET_OVERHEAD:.2f}x")
+            else:
+                entry.update(met=best["fwd_bwd_peak_mib"] <= entry["target_peak_mib"], best=best["method"],
+                             best_peak_mib=best["fwd_bwd_peak_mib"], best_pct=best["pct_of_pytorch"],
+                             best_overhead=best["overhead"])
+            # lowest peak at any overhead, and what that costs
+            low = min(ilp, key=lambda m: m["fwd_bwd_peak_mib"]) if ilp else None
+            if low is not None:
+                entry.update(lowest=low["method"], lowest_peak_mib=low["fwd_bwd_peak_mib"],
+                             lowest_pct=low["pct_of_pytorch"], lowest_overhead=low["overhead"])
+            a.append(entry)
+        for peer in (m for m in rows if m["kind"] == "peer"):
+            cands = [m for m in ilp if m["overhead"] <= peer["overhead"]]
+            best = min(cands, key=lambda m: m["fwd_bwd_peak_mib"]) if cands else None
+            entry = {"id": r["id"], "peer": peer["method"], "peer_label": peer["label"],
+                     "peer_peak_mib": peer["fwd_bwd_peak_mib"], "peer_overhead": peer["overhead"]}
+            if best is None:
+                entry.update(met=False, best=None,
+                             note=f"no ILP point at or below the peer's overhead {peer['overhead']:.2f}x")
+                lower = [m for m in ilp if m["fwd_bwd_peak_mib"] < peer["fwd_bwd_peak_mib"]]
+                if lower:
+                    q = min(lower, key=lambda m: m["overhead"])
+                    entry.update(cheapest_lower=q["method"], cheapest_lower_overhead=q["overhead"],
+                                 cheapest_lower_peak_mib=q["fwd_bwd_peak_mib"])
+            else:
+                entry.update(met=best["fwd_bwd_peak_mib"] < peer["fwd_bwd_peak_mib"], best=best["method"],
+                             best_peak_mib=best["fwd_bwd_peak_mib"], best_overhead=best["overhead"])
+            b.append(entry)
+    c = []
+    for s in solve:
+        if "error" in s:
+            c.append({"id": s["id"], "met": False, "note": s["error"]})
+        else:
+            c.append({"id": s["id"], "batch_size": s["batch_size"], "max_solve_s": s["max_solve_s"],
+                      "met": s["max_solve_s"] is not None and s["max_solve_s"] <= TARGET_SOLVE_S})
+    return {
+        "a": {"rule": f"at <= {TARGET_OVERHEAD:.2f}x overhead, ILP peak <= 1/3 of PyTorch's", "models": a},
+        "b": {"rule": "for every peer, an ILP point at equal or lower overhead with a lower peak", "peers": b},
+        "c": {"rule": f"ILP solve time <= {TARGET_SOLVE_S:g} s", "models": c},
+    }
+
+
+def _fmt_overhead(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def sweep_table(result: dict[str, Any], markdown: bool) -> str:
+    heads = ["method", "budget", "measured peak MiB", "% of PyTorch", "activations MiB", "predicted MiB",
+             "overhead x", "solve s"]
+    cells = []
+    for m in result["methods"]:
+        name = m["label"] if m["kind"] != "zoomem" or m["method"] in ("all", "sqrt") else "zoomem ILP"
+        if "error" in m:
+            cells.append([name, m["budget"], m["error"], "", "", "", "", ""])
+            continue
+        pred = m.get("predicted_peak_mib")
+        cells.append([
+            name, m["budget"], _mib(m["fwd_bwd_peak_mib"]), f"{m['pct_of_pytorch']:.0f}%", _mib(m["activation_mib"]),
+            "—" if pred is None else _mib(pred), _fmt_overhead(m["overhead"]),
+            f"{m['solve_s']:.2f}" if "solve_s" in m else "—",
+        ])
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2)]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    fmt = lambda row: "  ".join(  # noqa: E731
+        (v.ljust(w) if i < 2 else v.rjust(w)) for i, (v, w) in enumerate(zip(row, widths))
+    )
+    return "\n".join([fmt(heads), fmt(["-" * w for w in widths])] + [fmt(c) for c in cells])
+
+
+def _model_head(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['id']}: FAILED: {r['error']}"
+    return (f"{r['id']} ({r['layers']}; {_size_text(r)}; {r['param_mib']:.0f} MiB of parameters; "
+            f"plain PyTorch {r['pytorch_median_step_s']:.2f} s/step; trace {r['trace_s']:.1f} s; "
+            f"minimum feasible budget {r['min_budget_mib']:.0f} MiB = {r['min_budget_frac']:.0%} of the predicted "
+            f"PyTorch peak)")
+
+
+def solve_table(solve: Sequence[dict[str, Any]], markdown: bool) -> str:
+    heads = ["model", "batch", "units", "trace s", "budgets solved", "max solve s", "solve s per budget"]
+    cells = []
+    for s in solve:
+        if "error" in s:
+            cells.append([s["id"], f"b{s['batch_size']}", "", "", "", "", f"FAILED: {s['error']}"])
+            continue
+        per = ", ".join(f"{x['budget'].split(' ')[0]} {x['solve_s']:.1f}" for x in s["solves"] if "solve_s" in x)
+        sizes = ", ".join(f"{_SIZE_ABBR.get(k, k)} {v}" for k, v in s["sizes"].items())
+        cells.append([s["id"] + f" ({s['layers']})", f"b{s['batch_size']}, {sizes}", str(s["units"]),
+                      f"{s['trace_s']:.0f}", str(sum('solve_s' in x for x in s["solves"])),
+                      f"{s['max_solve_s']:.2f}", per])
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * 4 + "---|"]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        return "\n".join(lines)
+    return "\n".join("  ".join(c) for c in [heads] + cells)
+
+
+def targets_text(t: dict[str, Any]) -> str:
+    yes = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
+    lines = [f"(a) {t['a']['rule']}:"]
+    for e in t["a"]["models"]:
+        if e.get("best") is None:
+            lines.append(f"  - {e['id']}: {yes(False)}: {e['note']}")
+            continue
+        s = (f"  - {e['id']}: {yes(e['met'])}: best within {TARGET_OVERHEAD:.2f}x is {e['best']} at "
+             f"{e['best_peak_mib']:.0f} MiB = {e['best_pct']:.0f}% of PyTorch's {e['pytorch_peak_mib']:.0f} MiB "
+             f"({e['best_overhead']:.2f}x); the target is {e['target_peak_mib']:.0f} MiB")
+        if not e["met"]:
+            s += f", missed by {e['best_peak_mib'] - e['target_peak_mib']:.0f} MiB"
+        if "lowest" in e:
+            s += (f". Lowest ILP peak at any overhead: {e['lowest_peak_mib']:.0f} MiB = {e['lowest_pct']:.0f}% "
+                  f"({e['lowest']}, {e['lowest_overhead']:.2f}x)")
+        lines.append(s)
+    lines.append(f"(b) {t['b']['rule']}:")
+    for e in t["b"]["peers"]:
+        head = f"  - {e['id']} vs {e['peer_label']} ({e['peer_peak_mib']:.0f} MiB, {e['peer_overhead']:.2f}x): "
+        if e.get("best") is None:
+            s = head + f"{yes(False)}: {e['note']}"
+            if "cheapest_lower" in e:
+                s += (f"; the cheapest lower ILP point is {e['cheapest_lower']} ({e['cheapest_lower_peak_mib']:.0f} "
+                      f"MiB at {e['cheapest_lower_overhead']:.2f}x)")
+            lines.append(s)
+        else:
+            lines.append(head + f"{yes(e['met'])}: {e['best']} {e['best_peak_mib']:.0f} MiB at "
+                         f"{e['best_overhead']:.2f}x ({e['best_peak_mib'] - e['peer_peak_mib']:+.0f} MiB)")
+    lines.append(f"(c) {t['c']['rule']}:")
+    for e in t["c"]["models"]:
+        if "max_solve_s" in e:
+            s = f"  - {e['id']} b{e['batch_size']}: {yes(e['met'])}: max {e['max_solve_s']:.2f} s"
+            if not e["met"]:
+                s += f", {e['max_solve_s'] - TARGET_SOLVE_S:.2f} s over"
+            lines.append(s)
+        else:
+            lines.append(f"  - {e['id']}: {yes(False)}: {e['note']}")
+    return "\n".join(lines)
+
+
+def plot_sweep(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    ncols = 2 if len(ok) > 1 else 1
+    nrows = (len(ok) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, 4.8 * nrows), squeeze=False)
+    peer_style = {"pytorch": ("*", "black", 14), "native": ("^", "tab:red", 10), "compile": ("P", "tab:purple", 11),
+                  "all": ("s", "tab:green", 8), "sqrt": ("D", "tab:olive", 8)}
+    for ax, r in zip(axes.flat, ok):
+        rows = _ok_rows(r)
+        ref = next(m for m in rows if m["method"] == "pytorch")
+        ilp = sorted((m for m in rows if m["method"].startswith("ilp@")), key=lambda m: -m["budget_frac"])
+        ax.plot([m["overhead"] for m in ilp], [m["fwd_bwd_peak_mib"] for m in ilp], "o-", color="tab:blue",
+                label="zoomem ILP (budget % of PyTorch)", zorder=3)
+        for m in ilp:
+            ax.annotate(m["budget"].replace(" (", "\n("), (m["overhead"], m["fwd_bwd_peak_mib"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points", color="tab:blue")
+        for m in rows:
+            if m["method"] in peer_style:
+                marker, color, size = peer_style[m["method"]]
+                ax.plot([m["overhead"]], [m["fwd_bwd_peak_mib"]], linestyle="none", marker=marker, color=color,
+                        markersize=size, label=m["label"], zorder=4)
+        third = ref["fwd_bwd_peak_mib"] * TARGET_PEAK_RATIO
+        ax.axhline(third, color="grey", linestyle="--", linewidth=0.8, label="1/3 of PyTorch's peak")
+        ax.axvline(TARGET_OVERHEAD, color="grey", linestyle=":", linewidth=0.8, label=f"{TARGET_OVERHEAD:.2f}x")
+        ax.set_ylim(bottom=0, top=max(m["fwd_bwd_peak_mib"] for m in rows) * 1.08)
+        ax.set_title(f"{r['id']} ({r['layers']}; {_size_text(r)})", fontsize=9)
+        ax.set_xlabel("step time / plain PyTorch's (median, interleaved)", fontsize=8)
+        ax.set_ylabel("measured fwd+bwd peak (MiB)", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="upper right")
+    for ax in list(axes.flat)[len(ok):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zoomem-bench-inductor-"))
+    import torch
+    from tqdm import tqdm
+
+    from zoomem import zoo
+
+    models = args.models or list(SWEEP_SIZES)
+    known = zoo.SMALL if args.quick else SWEEP_SIZES
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        print(f"bench: no {'small variant' if args.quick else 'sweep size'} for {unknown}; known: {', '.join(known)}",
+              file=sys.stderr)
+        return 2
+    if args.quick:
+        args.steps = min(args.steps, 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("zoomem").setLevel(logging.WARNING)
+    command = "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    bar = tqdm(models, desc="sweep", unit="model", file=sys.stderr, dynamic_ncols=True)
+    for model_id in bar:
+        bar.set_postfix_str(model_id)
+        tm = time.perf_counter()
+        try:
+            r = sweep_one(model_id, args, bar)
+        except Exception as exc:  # noqa: BLE001 - one failing model must not lose the others' numbers
+            logger.exception("%s failed", model_id)
+            r = {"id": model_id, "error": f"{type(exc).__name__}: {exc}"}
+        r["wall_s"] = time.perf_counter() - tm
+        results.append(r)
+    bar.close()
+    solve: list[dict[str, Any]] = []
+    if not args.quick and not args.skip_solve:
+        solve = solve_section(args.solve_models, args)
+    wall = time.perf_counter() - t0
+    machine = machine_info()
+    targets = evaluate_targets(results, solve)
+    payload = {
+        "benchmark": "sweep",
+        "command": command,
+        "date": started.isoformat(timespec="seconds"),
+        "machine": machine,
+        "wall_s": wall,
+        "settings": {
+            "quick": args.quick,
+            "seed": args.seed,
+            "optimizer": f"torch.optim.AdamW(lr=1e-3, weight_decay=0.01, foreach={args.foreach})",
+            "step": "forward, loss, backward, optimizer.step(), zero_grad(set_to_none=True)",
+            "warmup_rounds": args.warmup,
+            "timed_rounds": args.steps,
+            "timing": "no meter; one step of each method per round, the order rotated each round; median",
+            "meter": "one more step per method under zoomem.measure.measure_step (CPU: PyTorch profiler "
+                     "allocator trace); peak = max(forward, backward phase peaks), absolute",
+            "budget_fractions": list(QUICK_FRACTIONS if args.quick else SWEEP_FRACTIONS),
+            "budget_of": "zoomem's float budget: a fraction of plain PyTorch's forward+backward peak as zoomem's trace "
+                         "measures it (optimizer state included)",
+            "planning": "one zoomem.trace per model, then zoomem.planner.make_plan per budget on its cost model "
+                        "(what zoomem.plan does per call); plans installed with zoomem.wrap",
+            "solver_time_limit_s": args.time_limit,
+            "compile_models": [] if args.quick else list(args.compile_models),
+            "compile_activation_memory_budget": args.compile_budget,
+        },
+        "results": results,
+        "solve": solve,
+        "targets": targets,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    logger.info("wrote %s", out)
+    if args.plot:
+        title = f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d}"
+        plot_sweep(results, Path(args.plot), title)
+        logger.info("wrote %s", args.plot)
+    if args.markdown:
+        print(f"`{command}` on {_machine_line(machine)}, {started:%Y-%m-%d}, {wall:.0f} s in all:\n")
+    else:
+        print(f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d %H:%M} UTC, {wall:.0f} s in all\n")
+    for r in results:
+        print(("#### " if args.markdown else "") + _model_head(r) + "\n")
+        if "error" not in r:
+            print(sweep_table(r, args.markdown) + "\n")
+    if solve:
+        print(("#### " if args.markdown else "") + "ILP solve time\n")
+        print(solve_table(solve, args.markdown) + "\n")
+    print(targets_text(targets))
+    return 1 if any("error" in r for r in results) or any("error" in s for s in solve) else 0
+
+
 # -- command line -----------------------------------------------------------------------------------------------
 
 
@@ -306,6 +1173,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True,
                    help="AdamW foreach implementation (the CUDA default; default: %(default)s)")
     p.set_defaults(func=cmd_baseline)
+
+    p = sub.add_parser(
+        "sweep",
+        help="peak memory against step-time overhead: zoomem's ILP budgets and the peers, per model",
+        description="For each model, in one process: plain PyTorch, the zoo's own full checkpointing, torch.compile "
+        "with an activation memory budget (on --compile-models), zoomem's ILP at 100..40%% of PyTorch's peak and "
+        "at the minimum feasible budget, and zoomem's `all` and `sqrt` baselines. Steps are timed interleaved "
+        "without the meter; one more metered step per method gives the memory. Then (not with --quick) the ILP's "
+        "solve time on BERT-large and ResNet-152 at batch 32.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="the zoo.small variants, one budget fraction and the minimum, 2 steps, no compile, no "
+                   "solve-time section (seconds; for tests)")
+    p.add_argument("--models", nargs="+", metavar="ID", help=f"model ids (default: {' '.join(SWEEP_SIZES)})")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method (median; default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, untimed (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/sweep.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--plot", default="benchmarks/sweep.png", help="PNG output; '' for none (default: %(default)s)")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True,
+                   help="AdamW foreach implementation (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP solver time limit, s (default: %(default)s)")
+    p.add_argument("--compile-models", nargs="*", default=list(COMPILE_MODELS), metavar="ID",
+                   help="models to try torch.compile on (default: %(default)s)")
+    p.add_argument("--compile-budget", type=float, default=0.5,
+                   help="torch._functorch.config.activation_memory_budget (default: %(default)s)")
+    p.add_argument("--compile-timeout", type=float, default=600.0,
+                   help="give up compiling after this many seconds (default: %(default)s)")
+    p.add_argument("--skip-solve", action="store_true", help="skip the solve-time section")
+    p.add_argument("--solve-models", nargs="+", default=list(SOLVE_SIZES), metavar="ID", choices=list(SOLVE_SIZES),
+                   help="models of the solve-time section (default: %(default)s)")
+    p.add_argument("--trace-timeout", type=float, default=600.0,
+                   help="solve-time section: a trace slower than this retries at half the batch (default: %(default)s)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("_solve")  # internal: one model of the solve-time section, in a child process
+    p.add_argument("model", choices=list(SOLVE_SIZES))
+    p.add_argument("batch_size", type=int)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--trace-timeout", type=float, default=600.0)
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(func=cmd_solve_child)
     return parser
 
 

@@ -22,7 +22,7 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import measure_timeline
 from ..measure import holder_bytes
-from ..planner import CostModel, Decision, Plan, make_plan, parse_budget
+from ..planner import STRATEGIES, CostModel, Decision, Plan, make_plan, parse_budget
 from .compact import choose_impls, install_all, install_switched
 from .patch import set_forward
 from .units import run_unit
@@ -134,6 +134,11 @@ def _make(
     return make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
 
 
+def _check_strategy(strategy: str) -> None:
+    if strategy != "ilp" and strategy not in STRATEGIES:
+        raise ValueError(f"Could not resolve strategy {strategy!r} among choices {['ilp', *STRATEGIES]}.")
+
+
 def _loss(adapter: Adapter, model: nn.Module, loss_fn: Callable[[Any, Batch], torch.Tensor] | None):  # type: ignore[no-untyped-def]
     return loss_fn or (lambda out, b: adapter.loss(model, b, out))
 
@@ -173,6 +178,7 @@ def plan(
     >>> p = zoomem.plan(timm.create_model("resnet18"), budget=0.6, batch_size=8, image_size=64)  # doctest: +SKIP
     >>> print(p.summary())  # doctest: +SKIP
     """
+    _check_strategy(strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
@@ -219,6 +225,7 @@ def wrap(
     >>> import timm, zoomem
     >>> model = zoomem.wrap(timm.create_model("resnet50"), budget="6GiB")  # doctest: +SKIP
     """
+    _check_strategy(strategy)
     if is_wrapped(model):
         warnings.warn(
             "This model is already wrapped by zoomem; re-wrapping it with the new settings. "
