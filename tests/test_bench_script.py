@@ -47,3 +47,51 @@ def test_bench_baseline_quick(tmp_path):
         assert peak >= phases["optimizer"]["peak_bytes"] >= base
         assert r["fwd_bwd_peak_mib"] * MIB == fwd_bwd and r["step_peak_mib"] * MIB == peak
         assert r["activation_mib"] * MIB == act and r["optimizer_peak_mib"] * MIB == phases["optimizer"]["peak_bytes"]
+
+
+def test_bench_sweep_quick(tmp_path):
+    """`sweep --quick`: every method of two small models, measured and timed in one process each; JSON, PNG, tables."""
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--quick",
+           "--models", "pyg/gcn", "hf/bert-base-uncased", "--out", str(out), "--plot", str(png), "--markdown"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| plain PyTorch | — |" in proc.stdout and "| zoomem ILP | min (" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "sweep" and data["settings"]["quick"] is True
+    assert data["settings"]["timed_rounds"] == 2 and data["settings"]["budget_fractions"] == [1.0, 0.6]
+    assert data["machine"]["torch"] == torch.__version__
+    datetime.datetime.fromisoformat(data["date"])
+    assert data["solve"] == [] and set(data["targets"]) == {"a", "b", "c"}
+
+    results = {r["id"]: r for r in data["results"]}
+    assert list(results) == ["pyg/gcn", "hf/bert-base-uncased"]
+    for r in results.values():
+        assert "error" not in r, r.get("error")
+        methods = {m["method"]: m for m in r["methods"]}
+        assert {"pytorch", "native", "compile", "ilp@100%", "ilp@min", "all", "sqrt"} <= set(methods)
+        # 60% is either planned or recorded as skipped below the minimum feasible budget
+        assert ("ilp@60%" in methods) != any(s["budget_frac"] == 0.6 for s in r["skipped_budgets"])
+        assert methods["compile"]["error"].startswith("not tried")
+        ref = methods["pytorch"]
+        assert ref["overhead"] == 1.0 and ref["pct_of_pytorch"] == 100.0
+        for key, m in methods.items():
+            if key == "compile":
+                continue
+            phases = m["report"]["phases"]
+            assert list(phases) == ["forward", "backward", "optimizer"]
+            peak = max(phases["forward"]["peak_bytes"], phases["backward"]["peak_bytes"])
+            assert m["fwd_bwd_peak_mib"] * MIB == peak
+            assert m["activation_mib"] * MIB == m["report"]["activation_bytes"] > 0
+            assert peak >= m["report"]["baseline_bytes"] + m["report"]["activation_bytes"]
+            assert len(m["step_s"]) == 2 and m["overhead"] > 0
+            assert abs(m["pct_of_pytorch"] - 100 * m["fwd_bwd_peak_mib"] / ref["fwd_bwd_peak_mib"]) < 1e-6
+            if m["kind"] == "zoomem":
+                assert m["predicted_peak_mib"] > 0 and m["solve_s"] >= 0 and m["units"] > 0
+        assert methods["ilp@100%"]["recomputed"] + methods["ilp@100%"]["recomputed_cheap"] == 0
+        assert methods["all"]["recomputed"] == methods["all"]["units"]
+        assert methods["ilp@min"]["budget_bytes"] >= r["min_budget_mib"] * MIB - 1
+    assert results["hf/bert-base-uncased"]["methods"][1]["label"] == "HF gradient_checkpointing_enable"
+    assert "zoomem `all`" in results["pyg/gcn"]["methods"][1]["label"]  # PyG has no checkpointing of its own

@@ -78,10 +78,28 @@ def _register_layers() -> None:
     mp = _message_passing()
     if mp is not None and mp not in LAYERS:
         register_layer(mp, kind="message_passing", zoo="pyg")
+    if mp is not None:
+        from ..ops.message_passing import register_message_passing_impl
+
+        register_message_passing_impl()
 
 
 if _pyg_loaded():
     _register_layers()
+
+
+def _simple_random_graph(num_nodes: int, num_edges: int, device: torch.device) -> torch.Tensor:
+    """``num_edges`` distinct random directed edges without self loops, sorted like a PyG dataset's."""
+    keys = torch.empty(0, dtype=torch.long, device=device)
+    while keys.numel() < num_edges:  # rejection: duplicates and self loops are rare for sparse graphs
+        src = torch.randint(0, num_nodes, (num_edges,), device=device)
+        dst = torch.randint(0, num_nodes, (num_edges,), device=device)
+        fresh = (src * num_nodes + dst)[src != dst]
+        keys = torch.unique(torch.cat([keys, fresh]))
+        if keys.numel() >= num_nodes * (num_nodes - 1):
+            break
+    keys = keys[torch.randperm(keys.numel(), device=device)[:num_edges]].sort().values
+    return torch.stack([keys // num_nodes, keys % num_nodes])
 
 
 def _int_attr(model: nn.Module, *names: str) -> int | None:
@@ -160,7 +178,7 @@ class PyGAdapter(Adapter):
         device = param.device if param is not None else torch.device("cpu")
         dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
         x = torch.randn(n, in_channels, device=device, dtype=dtype)
-        edge_index = torch.randint(0, n, (2, e), device=device)
+        edge_index = _simple_random_graph(n, e, device)
         y = torch.randint(0, out_channels, (n,), device=device)
         return Batch(args=(x, edge_index), target=y)
 

@@ -58,6 +58,9 @@ class Impl:
         applies: a finer check on an instance (e.g. that its class does not override ``forward``, or the type of a
             fused activation).
         doc: what it saves instead of what, and how exact its gradients are.
+        wraps_original: ``forward`` is called as ``forward(module, original_forward, *args, **kwargs)`` and
+            changes the inputs of the module's current forward rather than replacing it (PyG message passing
+            through a sparse adjacency); such an implementation may sit on a unit itself, outside its plan.
     """
 
     name: str
@@ -65,6 +68,7 @@ class Impl:
     forward: Callable[..., Any]
     applies: Callable[[nn.Module], bool] = _always
     doc: str = ""
+    wraps_original: bool = False
 
     def matches(self, module: nn.Module) -> bool:
         """Whether this implementation may replace ``module``'s forward."""
@@ -118,6 +122,8 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
 def _dispatch(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
         return original(*args, **kwargs)
+    if impl.wraps_original:
+        return impl.forward(module, original, *args, **kwargs)
     return impl.forward(module, *args, **kwargs)
 
 

@@ -60,7 +60,9 @@ class CostModel:
     transient: dict[int, int]
     saved_bytes: dict[str, int]
     step_s: float
-    compact_saving: dict[str, int] = field(default_factory=dict)
+    compact_saving: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Per unit with compact implementations: bytes they take off (held after its forward, its forward's
+    own rise, its backward's own rise), measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
@@ -178,7 +180,7 @@ class CostModel:
                     op_cheap[op.unit] += op.time_s
         times = {u: unit_time[seg_of_unit[u]] for u in units}
         cheap = {u: times[u] * op_cheap[u] / op_time[u] if op_time[u] > 0 else 0.0 for u in units}
-        compact_saving: dict[str, int] = {}
+        compact_saving: dict[str, tuple[int, int, int]] = {}
         compact_s: dict[str, float] = {}
         if graph.timeline_compact and len(graph.timeline_compact) == len(graph.timeline):
             for name in graph.compact_units:
@@ -187,13 +189,18 @@ class CostModel:
                     continue
                 pairs = [(a, b) for a, b in zip(graph.timeline, graph.timeline_compact) if a.seg == seg]
                 fwd = [(a, b) for a, b in pairs if a.phase == "forward"]
+                bwd = [(a, b) for a, b in pairs if a.phase == "backward"]
                 if not fwd:
                     continue
                 a, b = fwd[0]
-                saving = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
-                if saving > 0:
-                    compact_saving[name] = saving
-                    compact_s[name] = max(0.0, sum(b.time_s - a.time_s for a, b in pairs))
+                held = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
+                local_fwd = (a.peak_bytes - a.start_bytes) - (b.peak_bytes - b.start_bytes)
+                local_bwd = max(((x.peak_bytes - x.start_bytes) - (y.peak_bytes - y.start_bytes) for x, y in bwd),
+                                default=0)
+                gains = (held, local_fwd, local_bwd)  # negative: the compact forms hold more (a CSR adjacency)
+                if max(gains) > 0:
+                    compact_saving[name] = gains
+                    compact_s[name] = max(0.0, sum(y.time_s - x.time_s for x, y in pairs))
         return cls(
             units=units,
             fixed_bytes=graph.fixed_bytes,
@@ -248,16 +255,24 @@ class CostModel:
                 return True
         return False
 
-    def compact_gain(self, point: _Point, unit: str) -> int:
-        """Bytes ``compact`` on a kept ``unit`` takes off this point (its compact forms are held by then)."""
+    def compact_gain(self, point: _Point, unit: str, decision: Decision) -> int:
+        """Bytes the compact implementations of ``unit`` (under ``decision``) take off this point."""
+        held, local_fwd, local_bwd = self.compact_saving.get(unit, (0, 0, 0))
         seg = self.units.index(unit) + 1
-        return self.compact_saving.get(unit, 0) if point.seg > seg else 0
+        if point.seg > seg:  # its compact forms are what it holds, if it holds its tensors at all
+            return held if decision == Decision.KEEP else 0
+        if point.seg == seg:
+            if point.phase == "forward":
+                return local_fwd
+            if point.phase == "backward":
+                return local_bwd
+            return local_fwd if decision != Decision.KEEP else 0  # recompute runs the compact forward again
+        return 0
 
     def point_bytes(self, point: _Point, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
         total = point.measured
         for unit in compact:
-            if decisions.get(unit, Decision.KEEP) == Decision.KEEP:
-                total -= self.compact_gain(point, unit)
+            total -= self.compact_gain(point, unit, decisions.get(unit, Decision.KEEP))
         for s, c in self._coefficients(point):
             total += c * (int(self.held(s, decisions)) - int(s.base_held))
         if point.phase == "recompute" and 1 <= point.seg <= len(self.units):

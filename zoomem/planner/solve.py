@@ -55,8 +55,8 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> tuple[dict[str, D
         for u in model.units:
             if decisions[u] == Decision.KEEP:
                 moves += [(u, Decision.RECOMPUTE_CHEAP), (u, Decision.RECOMPUTE)]
-                if u in model.compact_saving and u not in compact:
-                    moves.append((u, None))  # None: switch on the unit's compact implementations
+            if u in model.compact_saving and u not in compact and decisions[u] == Decision.KEEP:
+                moves.append((u, None))  # None: switch on the unit's compact implementations
         for u, d in moves:
             if d is None:
                 trial_d, trial_c, cost = decisions, compact | {u}, model.compact_s.get(u, 0.0)
@@ -109,15 +109,22 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             if warm is not None:
                 x[u, d].setInitialValue(1 if warm[0][u] == d else 0)
         prob += pulp.lpSum(x[u, d] for d in choices) == 1
-    # compact implementations of unit u: c (switched on), y = c AND keep (its gain needs its tensors kept)
+    # compact implementations of unit u: c (on); y = c AND keep, z = c AND NOT keep (gains depend on both)
     c: dict[str, pulp.LpVariable] = {}
     y: dict[str, pulp.LpVariable] = {}
+    z: dict[str, pulp.LpVariable] = {}
     for i, u in enumerate(model.units):
         if u in model.compact_saving:
             c[u] = pulp.LpVariable(f"c_{i}", 0, 1, cat)
             y[u] = pulp.LpVariable(f"y_{i}", 0, 1)
+            z[u] = pulp.LpVariable(f"z_{i}", 0, 1)
             prob += y[u] <= c[u]
             prob += y[u] <= x[u, Decision.KEEP]
+            prob += z[u] <= c[u]
+            prob += z[u] <= 1 - x[u, Decision.KEEP]
+            prob += c[u] <= x[u, Decision.KEEP]  # measured on kept units only: no claim for recomputed ones
+            prob += y[u] >= c[u] + x[u, Decision.KEEP] - 1  # exact products: a gain can be negative (a cost)
+            prob += z[u] >= c[u] - x[u, Decision.KEEP]
             if warm is not None:
                 c[u].setInitialValue(1 if u in warm[1] else 0)
     keep = lambda seg: x[model.units[seg - 1], Decision.KEEP]  # noqa: E731
@@ -136,7 +143,13 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for p in model.points:
         expr = p.measured + pulp.lpSum(k * (h[s.sid] - int(s.base_held)) for s, k in model._coefficients(p))
-        expr -= pulp.lpSum(model.compact_gain(p, u) * y[u] for u in y)
+        for u in c:
+            gain_keep = model.compact_gain(p, u, Decision.KEEP)
+            gain_rec = model.compact_gain(p, u, Decision.RECOMPUTE)
+            if gain_keep == gain_rec:
+                expr -= gain_keep * c[u]
+            else:
+                expr -= gain_keep * y[u] + gain_rec * z[u]
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         prob += expr <= (peak if peak is not None else limit - model.fixed_bytes)
@@ -155,7 +168,7 @@ def _decode(model: CostModel, xc: tuple) -> Choice:  # type: ignore[type-arg]
     out = {}
     for u in model.units:
         out[u] = max((d for (v, d) in x if v == u), key=lambda d: x[u, d].value() or 0.0)
-    compact = frozenset(u for u, var in c.items() if (var.value() or 0.0) > 0.5 and out[u] == Decision.KEEP)
+    compact = frozenset(u for u, var in c.items() if (var.value() or 0.0) > 0.5)
     return out, compact
 
 
@@ -226,7 +239,8 @@ def make_plan(
     solve_s = time.perf_counter() - t0
     peak = model.peak(*choice) if choice else None
     if target is not None and (peak is None or (strategy in ("ilp", "greedy") and peak > target)):
-        smallest = min(math.ceil(min_feasible_budget(model, time_limit)[0] * (1 + margin)), baseline)
+        # + 64 bytes: the budget-constrained program must find it feasible too, after rounding and tolerances
+        smallest = min(math.ceil(min_feasible_budget(model, time_limit)[0] * (1 + margin)) + 64, baseline)
         raise InfeasibleBudgetError(
             f"No {strategy} plan keeps this step within {budget / _MIB:.1f} MiB ({budget} bytes): the smallest "
             f"feasible budget is {smallest / _MIB:.1f} MiB ({smallest} bytes; plain PyTorch needs "

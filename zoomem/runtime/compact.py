@@ -27,13 +27,21 @@ OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernor
 
 
 def choose_impls(model: nn.Module, units: list[Unit], batch: Batch) -> dict[str, list[tuple[nn.Module, Impl]]]:
-    """Per unit name: the (module, implementation) pairs its ``compact`` switch turns on."""
+    """Per unit name: the (module, implementation) pairs its ``compact`` switch turns on.
+
+    A module reachable from two units or from outside them (PyG's GIN passes one activation module to every
+    conv) is skipped: one switch per module, or a recomputation could run another form than its forward.
+    """
     candidates: dict[str, list[tuple[str, nn.Module, Impl]]] = {}
+    owners: dict[int, set[str]] = {}  # a module shared by two units, or also used outside them, is left alone
+    for path, mod in model.named_modules(remove_duplicate=False):
+        owner = next((u.name for u in units if path == u.name or path.startswith(u.name + ".")), "")
+        owners.setdefault(id(mod), set()).add(owner)
     for unit in units:
         for name, mod in unit.module.named_modules():
-            if mod is unit.module:
-                continue  # the unit's own forward runs the plan; implementations go on the modules inside
-            impls = impls_for(mod)
+            impls = impls_for(mod) if owners.get(id(mod)) == {unit.name} else []
+            if mod is unit.module:  # the unit's own forward runs the plan: only input-changing impls go on it
+                impls = [i for i in impls if i.wraps_original]
             if impls:
                 full = f"{unit.name}.{name}" if unit.name else name
                 candidates.setdefault(unit.name, []).append((full, mod, impls[0]))
@@ -70,9 +78,11 @@ def install_switched(
 
 
 def _call_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if module.training and torch.is_grad_enabled():
-        return impl.forward(module, *args, **kwargs)
-    return original(*args, **kwargs)
+    if not (module.training and torch.is_grad_enabled()):
+        return original(*args, **kwargs)
+    if impl.wraps_original:
+        return impl.forward(module, original, *args, **kwargs)
+    return impl.forward(module, *args, **kwargs)
 
 
 def _switched(

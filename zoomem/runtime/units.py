@@ -39,23 +39,38 @@ def _cheap_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
-def _context_fn(module: nn.Module, decision: Decision) -> Callable[[], tuple[Any, Any]]:
+def _context_fn(
+    module: nn.Module, decision: Decision, replay: Callable[[], Any] | None
+) -> Callable[[], tuple[Any, Any]]:
     def make() -> tuple[Any, Any]:
-        if decision == Decision.RECOMPUTE_CHEAP:
-            fwd, rec = create_selective_checkpoint_contexts(_cheap_policy)
+        fwd, rec = (
+            create_selective_checkpoint_contexts(_cheap_policy)
+            if decision == Decision.RECOMPUTE_CHEAP
+            else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
 
-            @contextlib.contextmanager
-            def recompute() -> Iterator[None]:
-                with _restore_buffers(module), rec:
-                    yield
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with _restore_buffers(module), rec, (replay() if replay else contextlib.nullcontext()):
+                yield
 
-            return fwd, recompute()
-        return contextlib.nullcontext(), _restore_buffers(module)
+        return fwd, recompute()
 
     return make
 
-def run_unit(module: nn.Module, forward: Callable[..., Any], decision: Decision, args: tuple, kwargs: dict) -> Any:
-    """Call ``forward(*args, **kwargs)`` of ``module`` under ``decision``."""
+def run_unit(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    decision: Decision,
+    args: tuple,
+    kwargs: dict,
+    replay: Callable[[], Any] | None = None,
+) -> Any:
+    """Call ``forward(*args, **kwargs)`` of ``module`` under ``decision``.
+
+    ``replay()`` returns a context manager entered around recomputation, so that the recomputed forward sees
+    the same runtime state (the plan in force) as the original one did.
+    """
     if decision == Decision.KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(
@@ -63,6 +78,6 @@ def run_unit(module: nn.Module, forward: Callable[..., Any], decision: Decision,
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=_context_fn(module, decision),
+        context_fn=_context_fn(module, decision, replay),
         **kwargs,
     )

@@ -9,10 +9,11 @@ or under ``torch.no_grad()`` the original forward runs as it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import measure_timeline
 from ..measure import holder_bytes
-from ..planner import STRATEGIES, CostModel, Decision, Plan, make_plan, parse_budget
+from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
+from ..planner.solve import SAFETY_MARGIN
 from .compact import choose_impls, install_all, install_switched
 from .patch import set_forward
 from .units import run_unit
@@ -131,7 +133,41 @@ def _make(
     costs.fixed_bytes += _optimizer_state_bytes(optimizer, model)
     baseline = costs.peak({u: Decision.KEEP for u in costs.units})
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
-    return make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
+    new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
+    if handle is None or budget_bytes is None or strategy not in ("ilp", "greedy"):
+        return new
+    # measured peaks are the judge: run the plan once; if it overshoots, plan again with that much less
+    margin = SAFETY_MARGIN
+    for _ in range(_VERIFY_ROUNDS):
+        measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
+        new.extras["measured_peak_bytes"] = measured
+        if measured is None or measured <= budget_bytes or all(u.decision == Decision.KEEP and not u.compact
+                                                               for u in new.units):
+            return new
+        logger.info("zoomem: the plan measured %.1f MiB against a budget of %.1f MiB; planning again with "
+                    "that much less", measured / _MIB, budget_bytes / _MIB)
+        margin += (measured - budget_bytes) / budget_bytes + 0.002
+        new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=margin)
+    raise InfeasibleBudgetError(
+        f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB measured {measured / _MIB:.1f} MiB at best "
+        f"(its model of this step is off by more than its margin); raise the budget to about "
+        f"{measured / _MIB:.1f} MiB or lower the batch size.",
+        int(measured or budget_bytes),
+    )
+
+
+_VERIFY_ROUNDS = 3
+
+
+def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
+                   loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
+    """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
+    previous, handle.active = handle.active, candidate
+    try:
+        timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units)
+    finally:
+        handle.active = previous
+    return fixed + max(t.peak_bytes for t in timeline) if timeline else None
 
 
 def _check_strategy(strategy: str) -> None:
@@ -255,7 +291,11 @@ def wrap(
     for unit in handle.units:
         handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
-        handle.plan_for(Batch.of(batch))
+        try:
+            handle.plan_for(Batch.of(batch))
+        except BaseException:
+            unwrap(model)  # a failed wrap leaves the model as it was
+            raise
     return model
 
 
@@ -265,7 +305,16 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         active = handle.active
         decision = active.decision(unit.name) if active is not None else Decision.KEEP
-        return run_unit(unit.module, original, decision, args, kwargs)
+
+        @contextlib.contextmanager
+        def replay() -> Iterator[None]:  # recomputation in backward runs under the plan of its forward
+            previous, handle.active = handle.active, active
+            try:
+                yield
+            finally:
+                handle.active = previous
+
+        return run_unit(unit.module, original, decision, args, kwargs, replay)
 
     return forward
 
