@@ -188,18 +188,22 @@ def test_parse_budget() -> None:
             parse_budget(bad, baseline_peak=10)
 
 
+def _held_after_forward(model: nn.Module, batch: zoomem.Batch) -> int:
+    torch.manual_seed(0)
+    with zoomem.MemoryMeter(model, batch) as meter:
+        out = batch.call(model)
+        meter.mark("forward")
+    del out
+    return meter.report.activation_bytes
+
+
 def test_compact_implementations_save_what_was_predicted() -> None:
     from zoomem.planner import CostModel
 
     model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=16)
     reference = copy.deepcopy(model)
     ref_loss, ref_grads, ref_peak = _step(reference, adapter, batch)
-    torch.manual_seed(0)
-    with zoomem.MemoryMeter(reference, batch) as meter:
-        out = batch.call(reference)
-        meter.mark("forward")
-    ref_held = meter.report.activation_bytes
-    del out
+    ref_held = _held_after_forward(reference, batch)
 
     zoomem.wrap(model, None, adapter=adapter, batch=batch)  # plans "keep everything" on this batch
     handle = model._zoomem
@@ -211,11 +215,7 @@ def test_compact_implementations_save_what_was_predicted() -> None:
     everything = frozenset(u.name for u in plan.units)
     predicted = costs.peak(plan.decisions, everything)
     loss, grads, peak = _step(model, adapter, batch)
-    torch.manual_seed(0)
-    with zoomem.MemoryMeter(model, batch) as meter:
-        out = batch.call(model)
-        meter.mark("forward")
-    held = meter.report.activation_bytes
+    held = _held_after_forward(model, batch)
     saving = sum(held for held, _, _ in costs.compact_saving.values())  # what they hold less after forward
     assert abs((ref_held - held) - saving) <= 0.05 * saving, (ref_held - held, saving)
     assert abs(predicted - peak) <= 0.05 * peak and peak < ref_peak
