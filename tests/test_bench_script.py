@@ -63,6 +63,7 @@ def test_bench_sweep_quick(tmp_path):
     assert data["benchmark"] == "sweep" and data["settings"]["quick"] is True
     assert data["settings"]["timed_rounds"] == 2 and data["settings"]["budget_fractions"] == [1.0, 0.6]
     assert data["machine"]["torch"] == torch.__version__
+    assert data["git"] == {} or len(data["git"]["commit"]) == 40
     datetime.datetime.fromisoformat(data["date"])
     assert data["solve"] == [] and set(data["targets"]) == {"a", "b", "c"}
 
