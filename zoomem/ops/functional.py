@@ -160,6 +160,17 @@ def _act_forward_mask(kind: str, x: torch.Tensor, a: float, b: float) -> torch.T
 # activations with a 1-bit mask
 
 
+
+def _save_mask(ctx: Any, mask: torch.Tensor) -> None:
+    """Save a boolean mask for backward as 1 bit per element."""
+    packed, ctx.mask_shape = pack_bool(mask)
+    ctx.save_for_backward(packed)
+
+
+def _load_mask(ctx: Any) -> torch.Tensor:
+    (packed,) = ctx.saved_tensors
+    return unpack_bool(packed, ctx.mask_shape)
+
 class _BitmaskActivation(torch.autograd.Function):
     """relu / relu6 (hardtanh) / threshold / leaky_relu, saving only a 1-bit mask."""
 
@@ -180,17 +191,15 @@ class _BitmaskActivation(torch.autograd.Function):
                 out = F.leaky_relu(x, a, inplace=inplace)
         if inplace:
             ctx.mark_dirty(x)
-        packed, shape = pack_bool(mask)
+        _save_mask(ctx, mask)
         del mask
-        ctx.save_for_backward(packed)
-        ctx.shape, ctx.kind, ctx.slope = shape, kind, a
+        ctx.kind, ctx.slope = kind, a
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        (packed,) = ctx.saved_tensors
-        mask = unpack_bool(packed, ctx.shape)
+        mask = _load_mask(ctx)
         if ctx.kind == "leaky_relu":
             gi = torch.where(mask, grad, grad * ctx.slope)
         else:
@@ -262,17 +271,15 @@ class _BitmaskDropout(torch.autograd.Function):
             del noise
         if inplace:
             ctx.mark_dirty(x)
-        packed, shape = pack_bool(mask)
+        _save_mask(ctx, mask)
         del mask
-        ctx.save_for_backward(packed)
-        ctx.shape, ctx.p, ctx.fused = shape, p, fused
+        ctx.p, ctx.fused = p, fused
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        (packed,) = ctx.saved_tensors
-        mask = unpack_bool(packed, ctx.shape)
+        mask = _load_mask(ctx)
         if ctx.fused:
             return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - ctx.p)), None, None
         noise = mask.to(grad.dtype).div_(1 - ctx.p)  # the very values of the forward noise
