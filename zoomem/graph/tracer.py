@@ -100,9 +100,6 @@ class _Ids:
             self.state.storages[sid] = s.nbytes()
         return sid
 
-    def known(self, t: torch.Tensor) -> int | None:
-        return self._tensor_ids.get(t)
-
     def tensor(self, t: torch.Tensor, role: str = "activation", producer: int | None = None) -> int:
         tid = self._tensor_ids.get(t)
         if tid is not None:
@@ -471,7 +468,6 @@ def trace(
         if s in alive and p.op < n_forward:
             counted.setdefault(state.ops[p.op].unit, set()).add(s)
     for u in graph.units:
-        u.saved_bytes = sum(state.storages[s] for s in counted.get(u.name, ()))
         u.input_storages = unit_inputs.get(u.name, [])
     _dedupe_across_units(graph, counted)
     return graph

@@ -119,7 +119,8 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def _dispatch(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def dispatch_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``impl`` in training when something needs a gradient, else the module's ``original`` forward."""
     if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
         return original(*args, **kwargs)
     if impl.wraps_original:
@@ -165,7 +166,7 @@ def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
         )
     had_instance_forward = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    wrapper = functools.partial(_dispatch, module, impl, module.forward)
+    wrapper = functools.partial(dispatch_impl, module, impl, module.forward)
     setattr(wrapper, _MARK, impl)
     module.__dict__["forward"] = wrapper
 

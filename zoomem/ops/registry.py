@@ -5,7 +5,7 @@ An op no one registered is never an error: it is recorded as ``generic`` and kep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ class OpSpec:
     name: str
     kind: str = "generic"
     zoo: str | None = None
-    impls: tuple[Any, ...] = field(default=())
 
 
 OPS: dict[str, OpSpec] = {}
@@ -45,7 +44,7 @@ def op_name(op: Any) -> str:
     )
 
 
-def register_op(op: Any, *, kind: str, zoo: str | None = None, impls: tuple[Any, ...] = (), overwrite: bool = False) -> OpSpec:
+def register_op(op: Any, *, kind: str, zoo: str | None = None, overwrite: bool = False) -> OpSpec:
     """Register an operator (an aten op, or a custom op from ``torch.library``) with zoomem.
 
     Args:
@@ -53,7 +52,6 @@ def register_op(op: Any, *, kind: str, zoo: str | None = None, impls: tuple[Any,
         kind: its category (``"matmul"``, ``"attention"``, ``"scatter"``, ...), shown in traces and used by the
             planner's cost model.
         zoo: the zoo it comes from, for display.
-        impls: alternative memory-efficient implementations the planner may choose among.
         overwrite: replace an earlier registration instead of failing.
 
     >>> spec = register_op("mylib.fused_act", kind="activation", overwrite=True)
@@ -65,7 +63,7 @@ def register_op(op: Any, *, kind: str, zoo: str | None = None, impls: tuple[Any,
         raise ValueError(
             f"Op {name!r} is already registered as kind={OPS[name].kind!r}; pass overwrite=True to replace it."
         )
-    spec = OpSpec(name, kind, zoo, tuple(impls))
+    spec = OpSpec(name, kind, zoo)
     OPS[name] = spec
     return spec
 

@@ -271,22 +271,12 @@ class CostModel:
             return local_fwd if decision != Decision.KEEP else 0  # recompute runs the compact forward again
         return 0
 
-    def point_bytes(self, point: _Point, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
-        total = point.measured
-        for unit in compact:
-            total -= self.compact_gain(point, unit, decisions.get(unit, Decision.KEEP))
-        for s, c in self._coefficients(point):
-            total += c * (int(self.held(s, decisions)) - int(s.base_held))
-        if point.phase == "recompute" and 1 <= point.seg <= len(self.units):
-            if decisions.get(self.units[point.seg - 1], Decision.KEEP) != Decision.KEEP:
-                total += self.transient.get(point.seg, 0)
-        return total
-
     def peak(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
         """Predicted forward+backward peak (fixed bytes included) of a set of unit decisions.
 
-        The same sum as :meth:`point_bytes` over every point, as matrix products (greedy calls it thousands of
-        times on 50-unit models).
+        Every memory point is its measured bytes, plus ``coefficients`` times (held - held in plain PyTorch), plus
+        the recompute transient of recomputed units, minus the gains of compact units; evaluated as matrix
+        products because greedy calls it thousands of times on 50-unit models.
         """
         if not self.points:
             return self.fixed_bytes

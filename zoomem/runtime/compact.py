@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from ..adapters import Unit
 from ..batch import Batch
-from ..ops import Impl, find_inplace_writers, impls_for
+from ..ops import Impl, find_inplace_writers, impls_for, install_impl
+from ..ops.impls import dispatch_impl
 from .patch import set_forward
 
 __all__ = ["OUTPUT_SAVING", "choose_impls", "install_switched", "install_all"]
@@ -56,8 +56,7 @@ def choose_impls(model: nn.Module, units: list[Unit], batch: Batch) -> dict[str,
 
 def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[], None]:
     """Switch every chosen implementation on (for measuring); returns the undo."""
-    undos = [set_forward(mod, functools.partial(_call_impl, mod, impl, mod.forward)) for pairs in chosen.values()
-             for mod, impl in pairs]
+    undos = [install_impl(mod, impl) for pairs in chosen.values() for mod, impl in pairs]
 
     def undo() -> None:
         for u in reversed(undos):
@@ -77,18 +76,10 @@ def install_switched(
     return undos
 
 
-def _call_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if not (module.training and torch.is_grad_enabled()):
-        return original(*args, **kwargs)
-    if impl.wraps_original:
-        return impl.forward(module, original, *args, **kwargs)
-    return impl.forward(module, *args, **kwargs)
-
-
 def _switched(
     unit: str, is_on: Callable[[str], bool], module: nn.Module, impl: Impl, original: Callable[..., Any],
     *args: Any, **kwargs: Any,
 ) -> Any:
     if is_on(unit):
-        return _call_impl(module, impl, original, *args, **kwargs)
+        return dispatch_impl(module, impl, original, *args, **kwargs)
     return original(*args, **kwargs)

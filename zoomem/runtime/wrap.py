@@ -36,6 +36,18 @@ _ATTR = "_zoomem"
 _MIB = 1024**2
 
 
+@dataclass(frozen=True)
+class _Active:
+    """The plan in force during one forward, as the lookups every unit and implementation makes per call."""
+
+    decisions: dict[str, Decision]
+    compact: frozenset[str]
+
+    @classmethod
+    def of(cls, plan: Plan) -> "_Active":
+        return cls(plan.decisions, frozenset(u.name for u in plan.units if u.compact))
+
+
 @dataclass
 class _Handle:
     """Per-model zoomem state: configuration, installed wrappers and the plan cache (keyed by input signature)."""
@@ -49,7 +61,7 @@ class _Handle:
     optimizer: torch.optim.Optimizer | None
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None
     plans: dict[tuple, Plan] = field(default_factory=dict)
-    active: Plan | None = None
+    active: "_Active | None" = None
     busy: bool = False
     enabled: bool = True
     undo: list[Callable[[], None]] = field(default_factory=list)
@@ -58,7 +70,7 @@ class _Handle:
 
     def compact_on(self, unit: str) -> bool:
         """Whether the running plan switches on the memory-efficient implementations inside ``unit``."""
-        return self.active is not None and self.active.compact(unit)
+        return self.active is not None and unit in self.active.compact
 
     def clear_cache(self) -> None:
         """Forget every cached plan: the next training forward plans again."""
@@ -86,7 +98,7 @@ class _Handle:
         return new
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> int:
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes the optimizer holds across steps (measured when it has state, else Adam's 2x / SGD momentum's 1x)."""
     if optimizer is None:
         return 0
@@ -130,7 +142,7 @@ def _make(
             handle.impl_undos = install_switched(chosen, handle.compact_on)
             handle.undo.extend(handle.impl_undos)
     costs = CostModel.from_graph(graph)
-    costs.fixed_bytes += _optimizer_state_bytes(optimizer, model)
+    costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     baseline = costs.peak({u: Decision.KEEP for u in costs.units})
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
     new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
@@ -162,7 +174,7 @@ _VERIFY_ROUNDS = 3
 def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
                    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
     """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
-    previous, handle.active = handle.active, candidate
+    previous, handle.active = handle.active, _Active.of(candidate)
     try:
         timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units)
     finally:
@@ -281,7 +293,7 @@ def wrap(
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        handle.active = handle.plan_for(Batch(tuple(args), dict(kwargs)))
+        handle.active = _Active.of(handle.plan_for(Batch(tuple(args), dict(kwargs))))
         try:
             return original(*args, **kwargs)
         finally:
@@ -304,7 +316,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         active = handle.active
-        decision = active.decision(unit.name) if active is not None else Decision.KEEP
+        decision = active.decisions.get(unit.name, Decision.KEEP) if active is not None else Decision.KEEP
 
         @contextlib.contextmanager
         def replay() -> Iterator[None]:  # recomputation in backward runs under the plan of its forward
