@@ -40,3 +40,11 @@ def test_unknown_model_lists_known_ids(capsys: pytest.CaptureFixture[str]) -> No
     assert "hf/bert-base-uncased" in err and "timm/<any timm model name>" in err
     assert main(["models"]) == 0
     assert "pyg/gat" in capsys.readouterr().out
+
+
+def test_plan_with_a_compression_level(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "hf/bert-base-uncased", "--batch", "2", "--seq-len", "64", "--set", "num_hidden_layers=2",
+                 "--level", "L2.2"]) == 0
+    assert "compression L2.2" in capsys.readouterr().out
+    assert main(["plan", "pyg/gcn", "--level", "L2", "--budget", "1GiB"]) == 2
+    assert "compress='auto'" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from .graph import OpGraph, TraceError, trace
 from .measure import MemoryMeter, MemoryReport, measure_step
 from .ops import register_op
 from .planner import Decision, InfeasibleBudgetError, Plan, parse_budget
+from .planner.compression import LEVELS, CompressOptions
 from .runtime import disabled, is_wrapped, plan, unwrap, wrap
 
 try:
@@ -27,7 +28,9 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "Adapter",
     "Batch",
+    "CompressOptions",
     "Decision",
+    "LEVELS",
     "InfeasibleBudgetError",
     "Plan",
     "disabled",

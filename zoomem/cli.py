@@ -82,7 +82,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget: object = args.budget
     if budget is not None and budget.replace(".", "", 1).isdigit():
         budget = float(budget) if "." in budget else int(budget)
-    result = plan(model, batch, budget, strategy=args.strategy, adapter=adapter, time_limit=args.time_limit)
+    result = plan(model, batch, budget, strategy=args.strategy, adapter=adapter, time_limit=args.time_limit,
+                  compress=args.compress, level=args.level)
     if args.json:
         print(result.to_json())
     else:
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strategy", default="ilp", help="ilp (default), none, all, sqrt, greedy")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="solver seconds")
+    p.add_argument("--compress", choices=["auto"], default=None,
+                   help="with --budget: also store saved tensors in 8/4/2/1 bits, chosen with recomputation")
+    p.add_argument("--level", default=None,
+                   help="compression level without a budget: L0, L1, L1.1, L1.2, L2, L2.1, L2.2, L3")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_size_flags(p, default_batch=8)
     p.set_defaults(func=cmd_plan)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..graph import OUTSIDE, OpGraph
 from ..graph.model import is_activation
+from .compression import SavedInfo
 from .plan import Decision
 
 __all__ = ["CostModel", "EXPENSIVE_KINDS"]
@@ -66,6 +67,11 @@ class CostModel:
     """Per unit with compact implementations: bytes they take off (held after its forward, its forward's
     own rise, its backward's own rise), measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
+    saved: list[SavedInfo] = field(default_factory=list)
+    """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
+    saved_seg: list[int] = field(default_factory=list)
+    compress_s_per_byte: dict[int, float] = field(default_factory=dict)
+    grad_sq: float = 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -217,6 +223,49 @@ class CostModel:
             compact_s=compact_s,
         )
 
+    def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float]) -> None:
+        """Add the probe's saved tensors (those that may be stored lossily) for the joint program."""
+        seg = {u: i + 1 for i, u in enumerate(self.units)}
+        head = len(self.units) + 1
+
+        def seg_of(region: str) -> int:
+            if region == "<stem>":
+                return 0
+            if region.startswith("<after:"):
+                unit = region[len("<after:"):-1]
+                return head if unit == self.units[-1] else seg.get(unit, head)
+            return seg.get(region, head)
+
+        from .compression import eligible
+
+        self.saved = eligible(infos)
+        self.saved_seg = [seg_of(s.region) for s in self.saved]
+        self.grad_sq = grad_sq
+        self.compress_s_per_byte = dict(seconds_per_byte)
+        self.__dict__.pop("_matrix_cache", None)
+
+    def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
+        """Bytes a bit assignment takes off each memory point: a tensor saved in segment k is held packed at
+        every point after k (during k itself it is being saved, then unpacked: counted whole)."""
+        out = np.zeros(len(self.points))
+        if not bits:
+            return out
+        seg = np.array([p.seg for p in self.points])
+        for s, k in zip(self.saved, self.saved_seg):
+            b = bits.get(s.key)
+            if b:
+                out += (seg > k) * (s.nbytes - s.packed_nbytes(b))
+        return out
+
+    def compress_time(self, bits: dict[str, int]) -> float:
+        by_key = {s.key: s for s in self.saved}
+        return sum(self.compress_s_per_byte.get(b, 0.0) * by_key[k].nbytes for k, b in bits.items() if k in by_key)
+
+    def relative_variance(self, bits: dict[str, int]) -> float:
+        by_key = {s.key: s for s in self.saved}
+        total = sum(by_key[k].variance(b) for k, b in bits.items() if k in by_key)
+        return total / self.grad_sq if self.grad_sq > 0 else 0.0
+
     # ------------------------------------------------------------------ the linear model
     def coefficients(self, point: _Point) -> list[tuple[_Storage, int]]:
         """(storage, c) pairs: the point's bytes move by c * (h(s) - base_held(s))."""
@@ -271,7 +320,9 @@ class CostModel:
             return local_fwd if decision != Decision.KEEP else 0  # recompute runs the compact forward again
         return 0
 
-    def peak(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> int:
+    def peak(
+        self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset(), bits: dict[str, int] | None = None
+    ) -> int:
         """Predicted forward+backward peak (fixed bytes included) of a set of unit decisions.
 
         Every memory point is its measured bytes, plus ``coefficients`` times (held - held in plain PyTorch), plus
@@ -287,8 +338,12 @@ class CostModel:
         held = m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
         values = m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep)
         for unit in compact:
+            if unit not in self.compact_saving:
+                continue
             i = self.units.index(unit)
             values -= m["gain_keep"][:, i] if keep[i] else m["gain_rec"][:, i]
+        if bits:
+            values -= self.compress_gain_rows(bits)
         return self.fixed_bytes + int(round(values.max()))
 
     def _matrices(self) -> dict[str, np.ndarray]:

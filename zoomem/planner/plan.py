@@ -64,6 +64,11 @@ class Plan:
         recompute_s: predicted extra seconds per step.
         step_s: measured seconds of the traced step's ops (for the overhead ratio).
         solver: solver name and status, ``lp_bound`` the LP relaxation's objective, ``solve_s`` the time.
+        bits: saved-tensor key (``"<region>#<k>"``) -> bits it is stored in; absent keys are stored exact.
+        offload: compressed forms wait in host memory between forward and backward.
+        level: the compression level the plan implements (``""``: none, or ``auto`` under a budget).
+        variance: predicted gradient variance of the lossy choices, relative to the squared gradient norm.
+        saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
     """
 
     strategy: str
@@ -79,6 +84,12 @@ class Plan:
     lp_bound: float | None = None
     solve_s: float = 0.0
     signature: str = ""
+    bits: dict[str, int] = field(default_factory=dict)
+    offload: bool = False
+    level: str = ""
+    variance: float = 0.0
+    compress_s: float = 0.0
+    saved: list[dict[str, Any]] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 
     def decision(self, unit: str) -> Decision:
@@ -97,7 +108,7 @@ class Plan:
     @property
     def overhead(self) -> float:
         """Predicted step time with the plan over without it."""
-        return 1.0 + self.recompute_s / self.step_s if self.step_s > 0 else float("nan")
+        return 1.0 + (self.recompute_s + self.compress_s) / self.step_s if self.step_s > 0 else float("nan")
 
     def summary(self) -> str:
         """Per unit: decision, bytes kept, recompute cost; then the predicted peak against plain PyTorch."""
@@ -121,6 +132,19 @@ class Plan:
             f"fixed {self.fixed_bytes / _MIB:.1f} MiB; predicted overhead {self.overhead:.3f}x"
             + (f"; LP bound {1e3 * self.lp_bound:.2f} ms" if self.lp_bound is not None else "")
         )
+        if self.bits or self.level:
+            hist: dict[int, int] = {}
+            sizes = {d["key"]: d["nbytes"] for d in self.saved}
+            for key, b in self.bits.items():
+                hist[b] = hist.get(b, 0) + sizes.get(key, 0)
+            lossy = sum(hist.values())
+            avg = sum(b * n for b, n in hist.items()) / lossy if lossy else 0.0
+            lines.append(
+                f"compression {self.level or 'custom'}: {len(self.bits)} of {len(self.saved)} saved tensors lossy "
+                f"({lossy / _MIB:.1f} MiB, {avg:.2f} bits on average"
+                + "".join(f"; {n / _MIB:.1f} MiB in {b} bits" for b, n in sorted(hist.items()))
+                + f"){'; offloaded' if self.offload else ''}; predicted relative gradient variance {self.variance:.2e}"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

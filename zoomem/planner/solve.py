@@ -9,12 +9,16 @@ bytes per second of recompute until the prediction fits).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import sys
 import time
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterator
 
+from .compression import CompressOptions
 from .costs import CostModel
 from .plan import Decision, InfeasibleBudgetError, Plan, UnitPlan
 
@@ -24,30 +28,30 @@ logger = logging.getLogger(__name__)
 _MIB = 1024**2
 
 
-Choice = tuple[dict[str, Decision], frozenset[str]]
-"""Per-unit decisions and the units whose compact implementations are on."""
+Choice = tuple[dict[str, Decision], frozenset[str], dict[str, int]]
+"""Per-unit decisions, the units whose compact implementations are on, and bits per lossy saved tensor."""
 
 
 def _decisions_none(model: CostModel, budget: int | None) -> Choice:
-    return {u: Decision.KEEP for u in model.units}, frozenset()
+    return {u: Decision.KEEP for u in model.units}, frozenset(), {}
 
 
 def _decisions_all(model: CostModel, budget: int | None) -> Choice:
-    return {u: Decision.RECOMPUTE for u in model.units}, frozenset()
+    return {u: Decision.RECOMPUTE for u in model.units}, frozenset(), {}
 
 
 def _decisions_sqrt(model: CostModel, budget: int | None) -> Choice:
     step = max(1, math.ceil(math.sqrt(len(model.units))))
     d = {u: Decision.KEEP if (i + 1) % step == 0 else Decision.RECOMPUTE for i, u in enumerate(model.units)}
-    return d, frozenset()
+    return d, frozenset(), {}
 
 
-def _decisions_greedy(model: CostModel, budget: int | None) -> tuple[dict[str, Decision], frozenset[str]]:
+def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
     """Apply, one at a time, the move that frees most predicted peak bytes per second it costs."""
     decisions = {u: Decision.KEEP for u in model.units}
     compact: frozenset[str] = frozenset()
     if budget is None:
-        return decisions, compact
+        return decisions, compact, {}
     peak = model.peak(decisions, compact)
     while peak > budget:
         best, best_score, best_peak = None, 0.0, peak
@@ -73,7 +77,7 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> tuple[dict[str, D
             break
         decisions, compact = best
         peak = best_peak
-    return decisions, compact
+    return decisions, compact, {}
 
 
 def _solver(time_limit: float, msg: bool = False):  # type: ignore[no-untyped-def]
@@ -82,6 +86,31 @@ def _solver(time_limit: float, msg: bool = False):  # type: ignore[no-untyped-de
     if "HiGHS" in _available_solvers():
         return "HiGHS", pulp.HiGHS(msg=msg, timeLimit=time_limit)
     return "CBC", pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, warmStart=True)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Keep the solver library's banner ("Running HiGHS ...") off the process's stdout (``zoomem plan --json``)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured or replaced stdout: nothing to protect
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def solve(prob, solver) -> None:  # type: ignore[no-untyped-def]
+    """``prob.solve(solver)`` without the solver's banner on stdout."""
+    with _quiet_stdout():
+        prob.solve(solver)
 
 
 @lru_cache(maxsize=1)
@@ -93,8 +122,16 @@ def _available_solvers() -> tuple[str, ...]:
     return tuple(pulp.listSolvers(onlyAvailable=True))
 
 
-def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choice | None = None):  # type: ignore[no-untyped-def]
-    """The program: minimise recompute time s.t. every memory point <= limit (or minimise the peak)."""
+def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choice | None = None,  # type: ignore[no-untyped-def]
+           compress: CompressOptions | None = None):
+    """The program: minimise recompute time s.t. every memory point <= limit (or minimise the peak).
+
+    With ``compress``, each lossy-eligible saved tensor s also gets one 0-1 variable per bit width b; the tensor
+    exists only if the unit it is saved in keeps its tensors, and its storage is freed only if no recomputed unit
+    holds it as an input, so ``q[s, b] <= keep`` of both; it takes ``nbytes - packed(b)`` off every point after its
+    segment and adds its (de)quantization time plus the variance term ``C_s / (2**b - 1)**2`` (DESIGN.md section 4)
+    to the objective. In compression modes the compact implementations are always on (they are exact).
+    """
     import pulp
 
     prob = pulp.LpProblem("zoomem", pulp.LpMinimize)
@@ -116,6 +153,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     for i, u in enumerate(model.units):
         if u in model.compact_saving:
             c[u] = pulp.LpVariable(f"c_{i}", 0, 1, cat)
+            if compress is not None:  # exact forms, always on in compression modes (the probe saw them on)
+                prob += c[u] == 1
+                y[u], z[u] = x[u, Decision.KEEP], 1 - x[u, Decision.KEEP]
+                continue
             y[u] = pulp.LpVariable(f"y_{i}", 0, 1)
             z[u] = pulp.LpVariable(f"z_{i}", 0, 1)
             prob += y[u] <= c[u]
@@ -140,6 +181,21 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             prob += v >= 1 - keep(seg)
         for seg in s.cheap_kept_by:
             prob += v >= cheap(seg)
+    q: dict[tuple[str, int], pulp.LpVariable] = {}
+    seg_index = {u: i + 1 for i, u in enumerate(model.units)}
+    if compress is not None:
+        for j, (s, k) in enumerate(zip(model.saved, model.saved_seg)):
+            owners = ([s.region] if s.region in seg_index else []) + [v for v in s.input_of if v in seg_index]
+            vs = []
+            for b in compress.bits:
+                v = q[s.key, b] = pulp.LpVariable(f"q_{j}_{b}", 0, 1, cat)
+                if warm is not None:
+                    v.setInitialValue(1 if warm[2].get(s.key) == b else 0)
+                for owner in owners:
+                    prob += v <= keep(seg_index[owner])
+                vs.append(v)
+            prob += pulp.lpSum(vs) <= 1
+    by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for p in model.points:
         expr = p.measured + pulp.lpSum(k * (h[s.sid] - int(s.base_held)) for s, k in model._coefficients(p))
@@ -152,46 +208,61 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 expr -= gain_keep * y[u] + gain_rec * z[u]
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
+        gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b))
+                 for (key, b), v in q.items() if p.seg > by_key[key][1]]
+        if gains:
+            expr -= pulp.lpSum(gains)
         prob += expr <= (peak if peak is not None else limit - model.fixed_bytes)
     time_cost = pulp.lpSum(
         x[u, d] * (model.recompute_s[u] if d == Decision.RECOMPUTE else model.recompute_cheap_s[u])
         for (u, d) in x
         if d != Decision.KEEP
     ) + pulp.lpSum(model.compact_s.get(u, 0.0) * c[u] for u in c)
+    if q:
+        assert compress is not None
+        # seconds charged per unit of predicted gradient variance: one step per `variance_tolerance` of ||g||^2
+        lam = model.step_s / (compress.variance_tolerance * model.grad_sq) if model.grad_sq > 0 else 0.0
+        time_cost += pulp.lpSum(
+            v * (model.compress_s_per_byte.get(b, 0.0) * by_key[key][0].nbytes + lam * by_key[key][0].variance(b))
+            for (key, b), v in q.items()
+        )
     # minimise time; for the min-peak program minimise the peak first, time as a tie-breaker
     prob += time_cost if peak is None else peak + 1e-3 * time_cost
-    return prob, (x, c)
+    return prob, (x, c, q)
 
 
 def _decode(model: CostModel, xc: tuple) -> Choice:  # type: ignore[type-arg]
-    x, c = xc
+    x, c, q = xc
     out = {}
     for u in model.units:
         out[u] = max((d for (v, d) in x if v == u), key=lambda d: x[u, d].value() or 0.0)
     compact = frozenset(u for u, var in c.items() if (var.value() or 0.0) > 0.5)
-    return out, compact
+    bits = {key: b for (key, b), var in q.items() if (var.value() or 0.0) > 0.5}
+    return out, compact, bits
 
 
-def min_feasible_budget(model: CostModel, time_limit: float = 10.0) -> tuple[int, Choice]:
+def min_feasible_budget(model: CostModel, time_limit: float = 10.0,
+                        compress: CompressOptions | None = None) -> tuple[int, Choice]:
     """The smallest peak any plan reaches (bytes, fixed included), and that plan's choice."""
-    prob, xc = _build(model, None)
-    prob.solve(_solver(time_limit)[1])
+    prob, xc = _build(model, None, compress=compress)
+    solve(prob, _solver(time_limit)[1])
     choice = _decode(model, xc)
     return model.peak(*choice), choice
 
 
-def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0) -> tuple[Choice | None, dict]:  # type: ignore[type-arg]
+def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0,  # type: ignore[type-arg]
+                   compress: CompressOptions | None = None) -> tuple[Choice | None, dict]:
     import pulp
 
     if budget is None:
         return _decisions_none(model, None), {"solver": "", "status": "no budget"}
-    warm = _decisions_greedy(model, budget)
+    warm = _decisions_greedy(model, budget) if compress is None else None
     name, solver = _solver(time_limit)
-    prob, xc = _build(model, budget, warm=warm)
-    prob.solve(solver)
+    prob, xc = _build(model, budget, warm=warm, compress=compress)
+    solve(prob, solver)
     status = pulp.LpStatus[prob.status]
-    relaxed, _ = _build(model, budget, relax=True)
-    relaxed.solve(_solver(time_limit)[1])
+    relaxed, _ = _build(model, budget, relax=True, compress=compress)
+    solve(relaxed, _solver(time_limit)[1])
     bound = pulp.value(relaxed.objective) if pulp.LpStatus[relaxed.status] == "Optimal" else None
     if status != "Optimal":
         return None, {"solver": name, "status": status, "lp_bound": bound}
@@ -212,9 +283,12 @@ SAFETY_MARGIN = 0.01
 
 
 def make_plan(
-    model: CostModel, budget: int | None, strategy: str = "ilp", time_limit: float = 10.0, margin: float = SAFETY_MARGIN
+    model: CostModel, budget: int | None, strategy: str = "ilp", time_limit: float = 10.0,
+    margin: float = SAFETY_MARGIN, compress: CompressOptions | None = None,
 ) -> Plan:
     """Plan under ``budget`` bytes (whole forward+backward peak, fixed bytes included).
+
+    ``compress`` (ILP only) lets the program store saved tensors lossily (:meth:`CostModel.attach_saved`).
 
     The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
     error reports.
@@ -232,15 +306,17 @@ def make_plan(
     if budget is not None and budget >= baseline and strategy in ("ilp", "greedy"):
         target = None  # plain PyTorch fits: its peak is measured, not predicted, so it needs no margin
     choice: Choice | None
+    if compress is not None and strategy != "ilp":
+        raise ValueError(f"Compression under a budget is planned by the ILP; strategy {strategy!r} cannot plan it.")
     if strategy == "ilp":
-        choice, info = _decisions_ilp(model, target, time_limit)
+        choice, info = _decisions_ilp(model, target, time_limit, compress)
     else:
         choice = STRATEGIES[strategy](model, target)
     solve_s = time.perf_counter() - t0
     peak = model.peak(*choice) if choice else None
     if target is not None and (peak is None or (strategy in ("ilp", "greedy") and peak > target)):
         # + 64 bytes: the budget-constrained program must find it feasible too, after rounding and tolerances
-        smallest = min(math.ceil(min_feasible_budget(model, time_limit)[0] * (1 + margin)) + 64, baseline)
+        smallest = min(math.ceil(min_feasible_budget(model, time_limit, compress)[0] * (1 + margin)) + 64, baseline)
         raise InfeasibleBudgetError(
             f"No {strategy} plan keeps this step within {budget / _MIB:.1f} MiB ({budget} bytes): the smallest "
             f"feasible budget is {smallest / _MIB:.1f} MiB ({smallest} bytes; plain PyTorch needs "
@@ -249,7 +325,7 @@ def make_plan(
             smallest,
         )
     assert peak is not None and choice is not None
-    decisions, compact = choice
+    decisions, compact, bits = choice
     if budget is not None and peak > budget:
         logger.warning(
             "strategy %r predicts a peak of %.1f MiB, above the budget of %.1f MiB", strategy, peak / _MIB, budget / _MIB
@@ -272,6 +348,11 @@ def make_plan(
         predicted_peak_bytes=peak,
         baseline_peak_bytes=baseline,
         recompute_s=model.recompute_time(decisions, compact),
+        bits=bits,
+        level="auto" if compress is not None else "",
+        variance=model.relative_variance(bits),
+        compress_s=model.compress_time(bits),
+        saved=[s.to_dict() for s in model.saved],
         step_s=model.step_s,
         solver=info.get("solver", ""),
         status=info.get("status", "optimal"),

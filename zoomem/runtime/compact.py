@@ -20,17 +20,25 @@ from ..ops import Impl, find_inplace_writers, impls_for, install_impl
 from ..ops.impls import dispatch_impl
 from .patch import set_forward
 
-__all__ = ["OUTPUT_SAVING", "choose_impls", "install_switched", "install_all"]
+__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "choose_impls", "install_switched", "install_all"]
 
 OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernorm_output", "rmsnorm_output"})
 """Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
 
 
-def choose_impls(model: nn.Module, units: list[Unit], batch: Batch) -> dict[str, list[tuple[nn.Module, Impl]]]:
+OUTSIDE_UNITS = "<outside>"
+"""The switch of modules that no unit contains (PyG's activations between convs): on in compression modes only,
+where nothing is recomputed that could run them in another form."""
+
+
+def choose_impls(
+    model: nn.Module, units: list[Unit], batch: Batch, outside: bool = False
+) -> dict[str, list[tuple[nn.Module, Impl]]]:
     """Per unit name: the (module, implementation) pairs its ``compact`` switch turns on.
 
     A module reachable from two units or from outside them (PyG's GIN passes one activation module to every
-    conv) is skipped: one switch per module, or a recomputation could run another form than its forward.
+    conv) is skipped: one switch per module, or a recomputation could run another form than its forward. With
+    ``outside``, modules that only code outside every unit runs get their own switch, :data:`OUTSIDE_UNITS`.
     """
     candidates: dict[str, list[tuple[str, nn.Module, Impl]]] = {}
     owners: dict[int, set[str]] = {}  # a module shared by two units, or also used outside them, is left alone
@@ -45,6 +53,11 @@ def choose_impls(model: nn.Module, units: list[Unit], batch: Batch) -> dict[str,
             if impls:
                 full = f"{unit.name}.{name}" if unit.name else name
                 candidates.setdefault(unit.name, []).append((full, mod, impls[0]))
+    if outside:
+        for path, mod in model.named_modules():
+            impls = [i for i in impls_for(mod) if i.wraps_original or mod is not model]
+            if mod is not model and owners.get(id(mod)) == {""} and impls:
+                candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls[0]))
     writers: dict[str, list[str]] = {}
     if any(impl.name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impl in pairs):
         writers = find_inplace_writers(model, *batch.args, **batch.kwargs)

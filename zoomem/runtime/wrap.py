@@ -23,10 +23,14 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import measure_timeline
 from ..measure import holder_bytes
+from ..compress.quantize import seconds_per_byte
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
+from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
 from ..planner.solve import SAFETY_MARGIN
-from .compact import choose_impls, install_all, install_switched
+from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched
 from .patch import set_forward
+from .probe import probe_saved
+from .storage import SavedTensorStore
 from .units import run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
@@ -42,10 +46,28 @@ class _Active:
 
     decisions: dict[str, Decision]
     compact: frozenset[str]
+    store: SavedTensorStore | None = None
 
     @classmethod
-    def of(cls, plan: Plan) -> "_Active":
-        return cls(plan.decisions, frozenset(u.name for u in plan.units if u.compact))
+    def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
+        store = SavedTensorStore(bits=plan.bits, offload=plan.offload, generator=generator) if plan.bits else None
+        compact = frozenset(u.name for u in plan.units if u.compact)
+        if plan.level not in ("", "L0"):  # compression modes also run compact forms outside the units
+            compact |= {OUTSIDE_UNITS}
+        return cls(plan.decisions, compact, store)
+
+    def hooks(self) -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
+        return self.store.hooks() if self.store is not None else contextlib.nullcontext()
+
+
+@dataclass
+class _Planning:
+    """What a plan was made from, kept to re-plan when sensitivities are measured again."""
+
+    costs: CostModel
+    budget_bytes: int | None
+    chosen_units: frozenset[str]
+    infos: list[SavedInfo]
 
 
 @dataclass
@@ -60,7 +82,14 @@ class _Handle:
     time_limit: float
     optimizer: torch.optim.Optimizer | None
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None
+    compress: CompressOptions | None = None
+    level: Level | None = None
+    sensitivity_interval: int = 0
     plans: dict[tuple, Plan] = field(default_factory=dict)
+    planning: dict[tuple, _Planning] = field(default_factory=dict)
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    seed: int = 0
+    steps: int = 0
     active: "_Active | None" = None
     busy: bool = False
     enabled: bool = True
@@ -75,26 +104,70 @@ class _Handle:
     def clear_cache(self) -> None:
         """Forget every cached plan: the next training forward plans again."""
         self.plans.clear()
+        self.planning.clear()
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """zoomem's own stochastic-rounding noise stream on ``device`` (seeded from the user's seed at wrap)."""
+        key = str(device)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[key]
+
+    def device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def active_for(self, plan: Plan) -> _Active:
+        return _Active.of(plan, self.generator(self.device()) if plan.bits else None)
 
     def plan_for(self, batch: Batch) -> Plan:
         sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
         cached = self.plans.get(sig)
         if cached is not None:
+            if self.sensitivity_interval and sig in self.planning and self.steps % self.sensitivity_interval == 0:
+                cached = self.plans[sig] = self._refresh(sig, batch, cached)
             return cached
         self.busy = True
         try:
             new = _make(self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer,
-                        self.loss_fn, self.time_limit)
+                        self.loss_fn, self.time_limit, compress=self.compress, level=self.level)
         finally:
             self.busy = False
         new.signature = repr(sig[0])
         self.plans[sig] = new
+        if "_planning" in new.extras:
+            self.planning[sig] = new.extras.pop("_planning")
         recomputed = sum(u.decision != Decision.KEEP for u in new.units)
         logger.info(
             "zoomem: planned %s for a new input signature: %d of %d units recomputed, predicted peak %.1f MiB "
             "(PyTorch %.1f MiB)", type(self.model).__name__, recomputed, len(new.units),
             new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
         )
+        return new
+
+    def _refresh(self, sig: tuple, batch: Batch, old: Plan) -> Plan:  # type: ignore[type-arg]
+        """Measure the sensitivities again on this batch and re-allocate the bits (the plan's units stay)."""
+        import time
+
+        t0 = time.perf_counter()
+        ctx = self.planning[sig]
+        self.busy = True
+        try:
+            infos, grad_sq = _probe(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, old)
+        finally:
+            self.busy = False
+        ctx.infos = infos
+        ctx.costs.attach_saved(infos, grad_sq, ctx.costs.compress_s_per_byte)
+        if self.level is not None:
+            new = _level_plan(ctx.costs, infos, self.level, ctx.chosen_units, self.time_limit)
+        else:
+            assert self.compress is not None
+            new = make_plan(ctx.costs, ctx.budget_bytes, strategy="ilp", time_limit=self.time_limit,
+                            margin=old.extras.get("margin", SAFETY_MARGIN), compress=self.compress)
+            _set_compact(new, ctx.chosen_units)
+        new.signature, new.extras = old.signature, dict(old.extras)
+        logger.info("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
+                    self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
 
 
@@ -123,19 +196,22 @@ def _make(
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None,
     time_limit: float,
     graph: OpGraph | None = None,
+    compress: CompressOptions | None = None,
+    level: Level | None = None,
 ) -> Plan:
     graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
-    chosen = choose_impls(model, units, batch)
-    if any(chosen.values()) and graph.timeline:
+    lossy = (level is not None and level.lossy) or compress is not None
+    chosen = choose_impls(model, units, batch, outside=lossy)
+    if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
         # measure once with every candidate implementation on: what `compact` saves per unit, and costs
-        undo = install_all(chosen)
+        undo = install_all({u: pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS})
         try:
             graph.timeline_compact = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units)
         finally:
             undo()
-        graph.compact_units = [u for u, pairs in chosen.items() if pairs]
+        graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
     if handle is not None:
         handle.last_graph = graph
         if not handle.impl_undos and any(chosen.values()):
@@ -145,7 +221,22 @@ def _make(
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     baseline = costs.peak({u: Decision.KEEP for u in costs.units})
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
-    new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit)
+    chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
+    infos: list[SavedInfo] = []
+    if lossy:
+        infos, grad_sq = _probe(handle, batch, adapter, loss_fn, units, chosen_units, None, model, chosen)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in (compress or CompressOptions()).bits})
+    if level is not None:
+        new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
+        new.budget_bytes = budget_bytes
+        if lossy:
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
+        return new
+    new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
+    if compress is not None:
+        _set_compact(new, chosen_units)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
     if handle is None or budget_bytes is None or strategy not in ("ilp", "greedy"):
         return new
     # measured peaks are the judge: run the plan once; if it overshoots, plan again with that much less
@@ -153,13 +244,18 @@ def _make(
     for _ in range(_VERIFY_ROUNDS):
         measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
         new.extras["measured_peak_bytes"] = measured
+        new.extras["margin"] = margin
         if measured is None or measured <= budget_bytes or all(u.decision == Decision.KEEP and not u.compact
-                                                               for u in new.units):
+                                                               for u in new.units) and not new.bits:
             return new
         logger.info("zoomem: the plan measured %.1f MiB against a budget of %.1f MiB; planning again with "
                     "that much less", measured / _MIB, budget_bytes / _MIB)
         margin += (measured - budget_bytes) / budget_bytes + 0.002
-        new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=margin)
+        planning = new.extras.get("_planning")
+        new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=margin, compress=compress)
+        if compress is not None:
+            _set_compact(new, chosen_units)
+            new.extras["_planning"] = planning
     raise InfeasibleBudgetError(
         f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB measured {measured / _MIB:.1f} MiB at best "
         f"(its model of this step is off by more than its margin); raise the budget to about "
@@ -168,18 +264,84 @@ def _make(
     )
 
 
+def _set_compact(plan: Plan, units: frozenset[str]) -> None:
+    """Compression modes run every unit's exact compact forms (the probe enumerated tensors with them on)."""
+    for u in plan.units:
+        u.compact = u.name in units
+
+
+def _level_plan(costs: CostModel, infos: list[SavedInfo], level: Level, chosen_units: frozenset[str],
+                time_limit: float) -> Plan:
+    """A level's plan: every unit kept, compact forms on (above L0), bits from the level."""
+    plan = make_plan(costs, None, strategy="none")
+    bits = allocate_bits(infos, level, time_limit)
+    _set_compact(plan, chosen_units)
+    keep = {u: Decision.KEEP for u in costs.units}
+    plan.bits, plan.offload, plan.level = bits, level.offload, level.name
+    plan.strategy = f"level {level.name}"
+    plan.predicted_peak_bytes = costs.peak(keep, chosen_units, bits)
+    plan.variance = costs.relative_variance(bits)
+    plan.compress_s = costs.compress_time(bits)
+    plan.recompute_s = costs.recompute_time(keep, chosen_units)
+    plan.saved = [s.to_dict() for s in infos]
+    return plan
+
+
+def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
+           loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
+           plan: Plan | None, model: nn.Module | None = None,
+           chosen: dict[str, list] | None = None) -> tuple[list[SavedInfo], float]:  # type: ignore[type-arg]
+    """Enumerate the saved tensors (compact forms on, nothing recomputed) and measure their sensitivities."""
+    model = handle.model if handle is not None else model
+    assert model is not None
+    loss = _loss(adapter, model, loss_fn)
+    generator = handle.generator(handle.device()) if handle is not None else None
+    if handle is not None:
+        previous, handle.active = handle.active, _Active({u.name: Decision.KEEP for u in units}, chosen_units)
+        previous_busy, handle.busy = handle.busy, True
+        try:
+            return probe_saved(model, batch, loss, units, generator=generator)
+        finally:
+            handle.active, handle.busy = previous, previous_busy
+    undo = install_all(chosen or {})
+    try:
+        return probe_saved(model, batch, loss, units, generator=generator)
+    finally:
+        undo()
+
+
 _VERIFY_ROUNDS = 3
 
 
 def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
                    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
     """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
-    previous, handle.active = handle.active, _Active.of(candidate)
+    previous, handle.active = handle.active, handle.active_for(candidate)
     try:
-        timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units)
+        with handle.active.hooks():
+            timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units)
     finally:
         handle.active = previous
     return fixed + max(t.peak_bytes for t in timeline) if timeline else None
+
+
+def _check_compression(budget: Any, compress: str | CompressOptions | None, level: str | Level | None,
+                       strategy: str) -> tuple[CompressOptions | None, Level | None]:
+    if compress is not None and not isinstance(compress, CompressOptions) and compress != "auto":
+        raise ValueError(f"Could not resolve compress={compress!r} among choices [None, 'auto', CompressOptions(...)].")
+    options = CompressOptions() if compress == "auto" else compress  # type: ignore[assignment]
+    if level is not None:
+        if budget is not None or options is not None:
+            raise ValueError(
+                f"level={level!r} is for training without a budget; with a budget pass compress='auto' instead and "
+                "zoomem picks bits and recomputation together."
+            )
+        return None, get_level(level)
+    if options is not None and budget is None:
+        return None, get_level("L2")  # compression without a budget: the adaptive 4-bit level
+    if options is not None and strategy != "ilp":
+        raise ValueError(f"compress= is planned by the ILP; strategy={strategy!r} cannot plan it (use 'ilp').")
+    return options, None
 
 
 def _check_strategy(strategy: str) -> None:
@@ -201,6 +363,8 @@ def plan(
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     time_limit: float = 10.0,
+    compress: str | CompressOptions | None = None,
+    level: str | None = None,
     batch_size: int = 2,
     **sizes: int,
 ) -> Plan:
@@ -215,6 +379,10 @@ def plan(
         optimizer: its state (or Adam's 2x parameters before its first step) counts in the budget.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
         time_limit: seconds for the solver.
+        compress: ``"auto"`` (or :class:`CompressOptions`): with a budget, let the ILP also store saved tensors
+            in 8/4/2/1 bits, chosen with recomputation by their measured effect on the gradient.
+        level: a GACT-style level instead of a budget: ``L0``, ``L1`` (4 bits), ``L1.1`` (8), ``L1.2`` (2),
+            ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
 
     Returns:
         The :class:`Plan` (``plan.summary()``, ``plan.to_json()``).
@@ -227,6 +395,7 @@ def plan(
     >>> print(p.summary())  # doctest: +SKIP
     """
     _check_strategy(strategy)
+    options, lvl = _check_compression(budget, compress, level, strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
@@ -234,7 +403,10 @@ def plan(
     if handle is not None:
         handle.busy = True
     try:
-        return _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit)
+        new = _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit, compress=options,
+                    level=lvl)
+        new.extras.pop("_planning", None)
+        return new
     finally:
         if handle is not None:
             handle.busy = False
@@ -250,6 +422,9 @@ def wrap(
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     time_limit: float = 10.0,
     batch: Any = None,
+    compress: str | CompressOptions | None = None,
+    level: str | None = None,
+    sensitivity_interval: int = 200,
 ) -> nn.Module:
     """Train ``model`` within ``budget`` bytes with gradients identical to plain PyTorch's (in place, undoable).
 
@@ -263,6 +438,13 @@ def wrap(
         loss_fn: ``(output, batch) -> scalar`` used when tracing; by default the adapter's planning loss.
         time_limit: seconds for the solver.
         batch: plan now on this example batch instead of lazily on the first training forward.
+        compress: ``"auto"`` (or :class:`CompressOptions`): with a budget, the ILP also stores saved tensors in
+            8/4/2/1 bits (unbiased stochastic rounding), picked jointly with recomputation by their measured
+            effect on the gradient. Gradients are then unbiased, not exact. Without a budget it means ``L2``.
+        level: GACT-style compression without a budget: ``L0`` (none), ``L1``/``L1.1``/``L1.2`` (4/8/2 bits),
+            ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
+        sensitivity_interval: adaptive plans measure sensitivities again every this many training steps
+            (0: never after planning); each time costs about three passes, logged.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -274,6 +456,9 @@ def wrap(
     >>> model = zoomem.wrap(timm.create_model("resnet50"), budget="6GiB")  # doctest: +SKIP
     """
     _check_strategy(strategy)
+    options, lvl = _check_compression(budget, compress, level, strategy)
+    if sensitivity_interval < 0:
+        raise ValueError(f"sensitivity_interval must be >= 0 steps, got {sensitivity_interval}.")
     if is_wrapped(model):
         warnings.warn(
             "This model is already wrapped by zoomem; re-wrapping it with the new settings. "
@@ -285,7 +470,9 @@ def wrap(
         adapter = get_adapter(model, adapter)
     handle = _Handle(
         model=model, budget=budget, strategy=strategy, adapter=adapter, units=adapter.units(model),
-        time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn,
+        time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn, compress=options, level=lvl,
+        sensitivity_interval=sensitivity_interval if (lvl is not None and lvl.adaptive) or options else 0,
+        seed=torch.initial_seed() % (1 << 63),
     )
     model.__dict__[_ATTR] = handle
     original = model.forward
@@ -293,9 +480,11 @@ def wrap(
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        handle.active = _Active.of(handle.plan_for(Batch(tuple(args), dict(kwargs))))
+        handle.active = handle.active_for(handle.plan_for(Batch(tuple(args), dict(kwargs))))
+        handle.steps += 1
         try:
-            return original(*args, **kwargs)
+            with handle.active.hooks():
+                return original(*args, **kwargs)
         finally:
             handle.active = None
 
@@ -326,6 +515,9 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             finally:
                 handle.active = previous
 
+        if active is not None and active.store is not None:
+            with active.store.unit(unit.name, args, kwargs):
+                return run_unit(unit.module, original, decision, args, kwargs, replay)
         return run_unit(unit.module, original, decision, args, kwargs, replay)
 
     return forward

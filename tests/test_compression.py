@@ -1,0 +1,187 @@
+"""Compression through zoomem.wrap: levels, compress="auto" under a budget, and the runtime's guarantees."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zoomem
+from zoomem.measure import MemoryMeter
+from zoomem.runtime.storage import SavedTensorStore
+from zoomem.zoo import small
+
+MODELS = ["timm/resnet18", "hf/bert-base-uncased", "pyg/gcn"]
+
+
+def _grads(model: nn.Module, adapter, batch) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)  # the same dropout masks every time
+    model.zero_grad(set_to_none=True)
+    adapter.loss(model, batch, batch.call(model)).backward()
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def _sq(gs: list[torch.Tensor]) -> float:
+    return float(sum(g.double().square().sum() for g in gs))
+
+
+def _plan(model: nn.Module) -> zoomem.Plan:
+    return next(iter(model.__dict__["_zoomem"].plans.values()))
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_levels_unbiased_and_variance_falls_with_bits(model_id: str) -> None:
+    """Fixed-bit levels: the mean gradient converges to the exact one; error shrinks 8 -> 4 -> 2 bits inverted."""
+    errors = {}
+    for level in ["L1.2", "L1", "L1.1"]:  # 2, 4, 8 bits
+        model, adapter, batch = small(model_id, seed=0)
+        model.train()
+        exact = _grads(model, adapter, batch)
+        zoomem.wrap(model, level=level)
+        samples = [_grads(model, adapter, batch) for _ in range(8)]
+        plan = _plan(model)
+        assert plan.bits and set(plan.bits.values()) == {dict(L1=4, **{"L1.1": 8, "L1.2": 2})[level]}
+        mean = [torch.stack(s).mean(0) for s in zip(*samples)]
+        mse = sum(_sq([a - b for a, b in zip(s, exact)]) for s in samples) / len(samples)
+        bias = _sq([m - e for m, e in zip(mean, exact)])
+        # an unbiased estimator's mean over n samples has squared error about mse / n
+        assert bias <= 3 * mse / len(samples) + 1e-12, (level, bias, mse)
+        errors[level] = mse / _sq(exact)
+    assert errors["L1.1"] < errors["L1"] < errors["L1.2"], errors
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_adaptive_levels_save_activation_memory(model_id: str) -> None:
+    """L0 is exact; L2 holds less for backward than plain PyTorch, by the bytes the planner expected."""
+    model, adapter, batch = small(model_id, seed=0)
+    model.train()
+    exact = _grads(model, adapter, batch)
+
+    def held() -> int:
+        model.zero_grad(set_to_none=True)
+        with MemoryMeter(model) as meter:
+            loss = adapter.loss(model, batch, batch.call(model))
+            meter.mark("forward")
+            loss.backward()
+        assert meter.report.activation_bytes is not None
+        return meter.report.activation_bytes
+
+    plain = held()
+    zoomem.wrap(model, level="L0")
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model, adapter, batch), exact))
+    zoomem.wrap(model, level="L2")  # re-wrap (warns)
+    _grads(model, adapter, batch)  # plans
+    compressed = held()
+    plan = _plan(model)
+    assert plan.level == "L2" and plan.bits
+    lossy = sum(d["nbytes"] for d in plan.saved if d["key"] in plan.bits)
+    assert compressed < plain
+    assert plain - compressed >= 0.5 * lossy * (1 - 4.25 / 32)  # most of what 4 bits should free is freed
+    assert "compression L2" in plan.summary()
+
+
+def test_auto_goes_below_what_recomputation_alone_reaches() -> None:
+    """compress="auto": a budget under the smallest lossless one is met (measured), with bits chosen."""
+    model, adapter, batch = small("timm/resnet18", seed=0, batch_size=32)
+    model.train()
+    exact = _grads(model, adapter, batch)
+    with pytest.raises(zoomem.InfeasibleBudgetError) as lossless:
+        zoomem.plan(model, batch.args[0], budget=1)
+    budget = int(lossless.value.min_budget * 0.95)
+    zoomem.wrap(model, budget=budget, compress="auto", batch=batch.args[0])
+    plan = _plan(model)
+    assert plan.level == "auto" and plan.bits
+    assert plan.extras["measured_peak_bytes"] <= budget
+    got = _grads(model, adapter, batch)
+    assert _sq([a - b for a, b in zip(got, exact)]) / _sq(exact) < 0.05
+
+
+def test_parameters_inputs_and_autocast_copies_stay_exact() -> None:
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(64, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = zoomem.plan(model, (x,), level="L1", loss_fn=lambda out, b: out.float().square().mean())
+    reasons = {d["key"]: d["lossy"] for d in plan.saved}
+    assert "parameter copy" in reasons.values()
+    assert not any(reasons[k] for k in plan.bits)  # only eligible tensors get bits
+    assert all(d["lossy"] for d in plan.saved if d["dtype"] != "torch.bfloat16" or d["shape"] == [64, 128])
+
+
+def test_duplicates_stored_once_and_nan_kept_exact() -> None:
+    calls = []
+    a = torch.randn(64, 128, requires_grad=True)
+    store = SavedTensorStore(record=True)
+    with store.hooks():
+        h = a * 2
+        y = (h * h.sin()).sum() + (h @ h.t()).sum()  # h saved by several ops: one key
+    keys = [k for k, t in store.tensors.items() if t.data_ptr() == h.data_ptr()]
+    assert len(keys) == 1
+    bad = torch.randn(64, 128)
+    bad[0, 0] = float("nan")
+    b = (bad * 1.0).requires_grad_()
+    store = SavedTensorStore(bits={"<stem>#0": 2})
+    with store.hooks():
+        z = (b.exp() * 1.0).sum()
+    z.backward()
+    assert store.packed_nbytes == 0  # NaN: kept exact
+    del calls, y
+
+
+def test_retain_graph_and_double_backward() -> None:
+    model, adapter, batch = small("hf/bert-base-uncased", seed=0)
+    model.train()
+    zoomem.wrap(model, level="L1.1")
+    _grads(model, adapter, batch)
+    loss = adapter.loss(model, batch, batch.call(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    g1 = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    g2 = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    # the same packed forms are unpacked again: the same gradient
+    assert all(a is None or torch.equal(a, b) for a, b in zip(g1, g2))
+    g = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    penalty = sum(x.square().sum() for x in g if x is not None)
+    penalty.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+def test_new_shapes_plan_again_and_sensitivities_refresh(caplog: pytest.LogCaptureFixture) -> None:
+    model, adapter, batch = small("hf/bert-base-uncased", seed=0)
+    model.train()
+    zoomem.wrap(model, level="L2", sensitivity_interval=2)
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        for _ in range(4):
+            _grads(model, adapter, batch)
+    assert "sensitivities re-measured" in caplog.text
+    _, _, other = small("hf/bert-base-uncased", seed=0, batch_size=3)
+    _grads(model, adapter, other)
+    assert len(model.__dict__["_zoomem"].plans) == 2
+
+
+def test_rng_stream_untouched() -> None:
+    """A compressed run draws the same dropout masks as a plain one: zoomem's noise has its own generator."""
+    def run(level: str | None) -> torch.Tensor:
+        model, adapter, batch = small("hf/bert-base-uncased", seed=0)
+        model.train()
+        if level:
+            zoomem.wrap(model, level=level)
+        torch.manual_seed(123)
+        for _ in range(2):
+            _grads(model, adapter, batch)
+        return torch.get_rng_state()
+
+    assert torch.equal(run(None), run("L2"))
+
+
+def test_bad_arguments_say_what_to_do() -> None:
+    model, _, batch = small("timm/resnet18", seed=0)
+    with pytest.raises(ValueError, match="among choices"):
+        zoomem.wrap(model, level="L9")
+    with pytest.raises(ValueError, match="compress='auto' instead"):
+        zoomem.wrap(model, level="L2", budget="1GiB")
+    with pytest.raises(ValueError, match="compress="):
+        zoomem.wrap(model, compress="always")
+    with pytest.raises(ValueError, match="ILP"):
+        zoomem.wrap(model, budget="1GiB", compress="auto", strategy="greedy")
+    assert not zoomem.is_wrapped(model)

@@ -1,0 +1,18 @@
+"""Lossy storage of saved activations: per-group stochastic-rounding quantization and sensitivity estimation."""
+
+from .quantize import BITS, GROUP_SIZE, Quantized, dequantize, quantize, quantized_nbytes, seconds_per_byte
+from .sensitivity import Sensitivity, empirical_variance, estimate_sensitivity, predicted_variance
+
+__all__ = [
+    "BITS",
+    "GROUP_SIZE",
+    "Quantized",
+    "Sensitivity",
+    "dequantize",
+    "empirical_variance",
+    "estimate_sensitivity",
+    "predicted_variance",
+    "quantize",
+    "quantized_nbytes",
+    "seconds_per_byte",
+]

@@ -1,0 +1,138 @@
+"""Sensitivity of the parameter gradient to the storage of each saved tensor, from one double backward.
+
+Storing tensor s with b-bit stochastic rounding adds independent noise of variance ``step_g**2 * p(1 - p)`` to each
+of its elements (``step_g`` its group's step, ``p`` the fractional part; ``step_g**2 / 6`` on average). The
+parameter gradient ``g`` depends on the saved values through the backward formulas, to first order linearly, so
+the gradient variance it adds is
+
+    V_s(b) = sum_i step_g(i)**2 / 6 * ||d g / d s_i||**2 = C_s / (2**b - 1)**2,
+    C_s    = sum over groups of range_g**2 / 6 * sum_{i in g} ||d g / d s_i||**2.
+
+GACT measures C_s one tensor at a time with extra passes. Here every C_s comes from the same three passes:
+forward, backward with ``create_graph=True``, and one backward of ``v . g`` for a random sign vector ``v``
+(Hutchinson: ``E_v[(J_s^T v)_i**2] = ||J_s[:, i]||**2``). ``J_s^T v`` is the gradient reaching the saved value of s
+*through its uses in the backward formulas* only: a pre-hook on the autograd node that produced s reads it there and
+stops it, so nothing flows on into the forward graph (that would add other tensors' terms).
+
+Known limit: first order. A saved value used only through a comparison (a ReLU's mask from its output) has zero
+derivative although rounding can flip the comparison; zoomem stores such masks exactly (1-bit compact forms), and
+a tensor whose C_s is zero is never stored lossily by the bit allocator (:mod:`zoomem.planner.bits`).
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .quantize import GROUP_SIZE, _grouped
+
+__all__ = ["Sensitivity", "estimate_sensitivity", "empirical_variance", "predicted_variance"]
+
+
+@dataclass
+class Sensitivity:
+    """C_s per saved-tensor key, and the squared norm of the parameter gradient (to make variances relative)."""
+
+    per_tensor: dict[str, float]
+    grad_sq: float
+
+
+def _group_range_sq(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    g, _ = _grouped(x.detach(), group_size)
+    g = g.float()
+    return (g.amax(dim=1) / 2 - g.amin(dim=1) / 2).square() * 4  # range**2 without overflow in hi - lo
+
+
+def estimate_sensitivity(
+    loss: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    saved: Mapping[str, torch.Tensor],
+    *,
+    samples: int = 1,
+    generator: torch.Generator | None = None,
+    group_size: int = GROUP_SIZE,
+) -> Sensitivity:
+    """C_s for every tensor in ``saved`` (see the module docstring), from ``samples`` Hutchinson probes.
+
+    Args:
+        loss: the scalar of a forward that saved ``saved`` (its graph not yet freed).
+        params: the parameters whose gradient counts.
+        saved: key -> the saved tensor (as the forward saved it; it must be a non-leaf).
+        samples: sign vectors to average over (each costs one backward).
+        generator: source of the signs (zoomem's own, the user's RNG stream is untouched).
+
+    Returns:
+        key -> C_s (0.0 for tensors the parameter gradient does not depend on), and ``||g||**2``.
+    """
+    params = [p for p in params if p.requires_grad]
+    out = {key: 0.0 for key in saved}
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    grad_sq = float(sum(float(g.detach().double().square().sum()) for g in grads if g is not None))
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]
+    by_node: dict[torch.autograd.graph.Node, list[tuple[int, str]]] = {}
+    for key, t in saved.items():
+        if t.grad_fn is None:
+            continue
+        edge = torch.autograd.graph.get_gradient_edge(t)
+        by_node.setdefault(edge.node, []).append((edge.output_nr, key))
+    if not pairs or not by_node:
+        return Sensitivity(out, grad_sq)
+    range_sq = {key: _group_range_sq(saved[key], group_size) for _, keys in by_node.items() for _, key in keys}
+    for i in range(samples):
+        signs = [
+            torch.randint(0, 2, g.shape, device=g.device, generator=generator).to(g.dtype).mul_(2).sub_(1)
+            for _, g in pairs
+        ]
+        probe = sum((g * v).sum() for (_, g), v in zip(pairs, signs))
+        captured: dict[str, torch.Tensor] = {}
+
+        def make_hook(entries: list[tuple[int, str]]) -> Callable:  # type: ignore[type-arg]
+            def hook(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
+                for nr, key in entries:
+                    if grad_outputs[nr] is not None:
+                        captured[key] = grad_outputs[nr].detach()
+                return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
+
+            return hook
+
+        handles = [node.register_prehook(make_hook(entries)) for node, entries in by_node.items()]
+        try:
+            if probe.requires_grad:
+                torch.autograd.grad(probe, [p for p, _ in pairs], retain_graph=i < samples - 1, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for key, jtv in captured.items():
+            per_group, _ = _grouped(jtv.float().square(), group_size)
+            out[key] += float((range_sq[key] * per_group.sum(dim=1)).sum()) / 6 / samples
+    return Sensitivity(out, grad_sq)
+
+
+def predicted_variance(sensitivity: float, bits: int) -> float:
+    """The gradient variance (sum over parameters) of storing a tensor with sensitivity C_s in ``bits``."""
+    return sensitivity / ((1 << bits) - 1) ** 2
+
+
+def empirical_variance(
+    grads_with: Callable[[Mapping[str, int]], Sequence[torch.Tensor]],
+    key: str,
+    bits: int,
+    trials: int = 16,
+) -> float:
+    """Brute force, for checking the estimator: ``E||g(s quantized) - g||**2`` over ``trials`` roundings.
+
+    ``grads_with(perturb)`` returns the parameter gradients of the same step with the tensors in ``perturb``
+    (key -> bits) quantized and every other tensor exact.
+    """
+    exact = [g.detach().clone() for g in grads_with({})]
+    total = 0.0
+    for _ in range(trials):
+        noisy = grads_with({key: bits})
+        total += sum(float((a - b).double().square().sum()) for a, b in zip(noisy, exact))
+    return total / trials
+
+
+

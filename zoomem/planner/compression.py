@@ -1,0 +1,164 @@
+"""Lossy storage in the plan: GACT's levels, the bit allocator, and what the joint program needs per tensor.
+
+The runtime enumerates the tensors a forward saves (:class:`SavedInfo`, keyed ``"<region>#<k>"``) and measures
+each one's sensitivity C_s (:mod:`zoomem.compress.sensitivity`): storing it in b bits adds about
+``C_s / (2**b - 1)**2`` to the variance of the parameter gradient. Levels fix the bits, or the average bits, for
+use without a budget; with a budget and ``compress="auto"`` the ILP (:mod:`.solve`) picks bits and recomputation
+together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..compress.quantize import BITS, quantized_nbytes
+
+__all__ = ["LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "get_level", "total_variance"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SavedInfo:
+    """One distinct tensor a forward saves for backward, as the runtime enumerated it."""
+
+    key: str
+    region: str  # the unit it was saved in, "<stem>" before the first unit, "<after:unit>" after one
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    lossy: str | None  # None: may be quantized; else why it must stay exact
+    sensitivity: float = 0.0  # C_s
+    input_of: tuple[str, ...] = ()  # units (other than its region) that take this tensor as input
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def packed_nbytes(self, bits: int) -> int:
+        return quantized_nbytes(self.shape, bits)
+
+    def variance(self, bits: int) -> float:
+        return self.sensitivity / ((1 << bits) - 1) ** 2
+
+    def to_dict(self) -> dict:  # type: ignore[type-arg]
+        return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
+                "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
+                "input_of": list(self.input_of)}
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    """How the joint program (``compress="auto"`` under a budget) may store tensors lossily.
+
+    Args:
+        bits: the bit widths it may choose from.
+        variance_tolerance: the predicted relative gradient variance (variance over ``||g||**2``) that the
+            objective charges as much as one step of compute; smaller is more cautious (more recomputation,
+            more bits).
+    """
+
+    bits: tuple[int, ...] = BITS
+    variance_tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        bad = [b for b in self.bits if b not in BITS]
+        if bad or not self.bits:
+            raise ValueError(f"bits={self.bits} must be a non-empty subset of {BITS}.")
+        if self.variance_tolerance <= 0:
+            raise ValueError(f"variance_tolerance must be positive, got {self.variance_tolerance}.")
+
+
+@dataclass(frozen=True)
+class Level:
+    """A GACT-style compression level: fixed bits, or an average over tensors chosen by sensitivity."""
+
+    name: str
+    bits: int | None = None  # fixed bits for every eligible tensor
+    avg_bits: float | None = None  # adaptive: average bits per element, allocated by sensitivity
+    offload: bool = False  # also move the compressed forms to host memory
+    help: str = ""
+
+    @property
+    def lossy(self) -> bool:
+        return self.bits is not None or self.avg_bits is not None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.avg_bits is not None
+
+
+LEVELS: dict[str, Level] = {
+    lv.name: lv
+    for lv in (
+        Level("L0", help="nothing lossy (plain PyTorch)"),
+        Level("L1", bits=4, help="every eligible tensor in 4 bits"),
+        Level("L1.1", bits=8, help="every eligible tensor in 8 bits"),
+        Level("L1.2", bits=2, help="every eligible tensor in 2 bits"),
+        Level("L2", avg_bits=4, help="adaptive bits by sensitivity, 4 on average"),
+        Level("L2.1", avg_bits=3, help="adaptive bits by sensitivity, 3 on average"),
+        Level("L2.2", avg_bits=2, help="adaptive bits by sensitivity, 2 on average"),
+        Level("L3", avg_bits=4, offload=True, help="L2, with the compressed forms offloaded to host memory"),
+    )
+}
+"""GACT's levels (DESIGN.md section 6). Levels above L0 also switch on the exact compact forms (1-bit masks,
+output-saving norms) of every unit."""
+
+
+def get_level(level: str | Level) -> Level:
+    if isinstance(level, Level):
+        return level
+    if level not in LEVELS:
+        raise ValueError(f"Could not resolve level {level!r} among choices {list(LEVELS)}.")
+    return LEVELS[level]
+
+
+def eligible(infos: list[SavedInfo]) -> list[SavedInfo]:
+    """Tensors that may be quantized: eligible by type and size, and with a measured effect on the gradient
+    (C_s == 0 means the gradient uses the tensor only through comparisons, which a first-order estimate cannot
+    see: such a tensor stays exact)."""
+    return [s for s in infos if s.lossy is None and s.sensitivity > 0]
+
+
+def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0) -> dict[str, int]:
+    """Bits per eligible tensor for ``level``.
+
+    Fixed levels give every eligible tensor the same bits. Adaptive levels minimise the summed predicted gradient
+    variance ``sum C_s / (2**b - 1)**2`` subject to an average of ``avg_bits`` per element over the eligible
+    tensors (a multiple-choice knapsack, solved exactly by the planner's ILP solver; GACT solves it greedily).
+    """
+    if not level.lossy:
+        return {}
+    cands = eligible(infos) if level.adaptive else [s for s in infos if s.lossy is None]
+    if level.bits is not None:
+        return {s.key: level.bits for s in cands}
+    if not cands:
+        return {}
+    import pulp
+
+    from .solve import _solver, solve
+
+    total = sum(s.numel for s in cands)
+    scale = max(s.sensitivity for s in cands)
+    prob = pulp.LpProblem("zoomem_bits", pulp.LpMinimize)
+    x = {(s.key, b): pulp.LpVariable(f"b_{i}_{b}", cat=pulp.LpBinary) for i, s in enumerate(cands) for b in BITS}
+    for s in cands:
+        prob += pulp.lpSum(x[s.key, b] for b in BITS) == 1
+    prob += pulp.lpSum(x[s.key, b] * b * s.numel / total for s in cands for b in BITS) <= level.avg_bits
+    prob += pulp.lpSum(x[s.key, b] * s.variance(b) / scale for s in cands for b in BITS)
+    solve(prob, _solver(time_limit)[1])
+    if pulp.LpStatus[prob.status] != "Optimal":
+        raise RuntimeError(f"The bit allocation for {level.name} did not solve (status {pulp.LpStatus[prob.status]}).")
+    return {s.key: max(BITS, key=lambda b: x[s.key, b].value() or 0.0) for s in cands}
+
+
+def total_variance(infos: list[SavedInfo], bits: dict[str, int]) -> float:
+    """Predicted gradient variance of an assignment of bits (sum over tensors)."""
+    by_key = {s.key: s for s in infos}
+    return sum(by_key[k].variance(b) for k, b in bits.items() if k in by_key)

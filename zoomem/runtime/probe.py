@@ -1,0 +1,169 @@
+"""One recorded step: which tensors a forward saves, under which keys, and each one's sensitivity.
+
+The probe runs the model's forward with a recording :class:`~.storage.SavedTensorStore` (unit regions marked by
+forward hooks on the units, so it needs no wrapper), then :func:`~zoomem.compress.estimate_sensitivity`. It
+leaves no trace: RNG streams (CPU and the model's accelerator), buffers (BatchNorm statistics) and ``.grad`` are
+as before. In a data-parallel run every rank gets the mean of the ranks' sensitivities, so all ranks pick the
+same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..adapters import Unit
+from ..batch import Batch
+from ..compress.sensitivity import estimate_sensitivity
+from ..planner.compression import SavedInfo
+from .storage import SavedTensorStore
+
+__all__ = ["probe_saved", "EXACT_READS"]
+
+logger = logging.getLogger(__name__)
+
+_COMPARISONS = (
+    "ReluBackward0", "ThresholdBackward0", "LeakyReluBackward0", "HardtanhBackward0", "EluBackward0",
+    "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "HardswishBackward0",
+    "HardsigmoidBackward0", "MaximumBackward0", "MinimumBackward0", "RreluWithNoiseBackward0",
+    "SoftshrinkBackward0", "HardshrinkBackward0", "ScatterReduceBackward0", "AmaxBackward0", "AminBackward0",
+    "MaxBackward0", "MaxBackward1", "MinBackward0", "MinBackward1",
+)
+_RECIPROCALS = ("LogBackward0", "Log1pBackward0", "SqrtBackward0", "PowBackward0", "PowBackward1",
+                "PowBackward2")
+EXACT_READS: dict[str, tuple[str, ...] | None] = {
+    **{name: None for name in _COMPARISONS + _RECIPROCALS},
+    "DivBackward0": ("_saved_other",),
+}
+"""Autograd nodes (and which of their saved tensors; ``None``: all) whose backward reads a saved value through a
+comparison (a ReLU's mask from its output) or a reciprocal (a softmax denominator): there rounding is not a small
+perturbation (a flipped comparison, a near-zero divisor), a first-order sensitivity cannot see it, so these
+tensors stay exact."""
+
+
+def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
+    """Mark the saved tensors that an :data:`EXACT_READS` backward reads as never lossy; returns how many."""
+    def ident(t: torch.Tensor) -> tuple:  # type: ignore[type-arg]  (unpacking makes new objects: match storage)
+        return (t.data_ptr(), tuple(t.shape), t.stride()) if t.layout == torch.strided else (id(t),)
+
+    by_id = {ident(t): key for key, t in store.tensors.items()}
+    seen: set[int] = set()
+    stack = [root.grad_fn]
+    marked = 0
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+        name = type(node).__name__
+        if name not in EXACT_READS:
+            continue
+        attrs = EXACT_READS[name]
+        for attr in dir(node) if attrs is None else attrs:
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr, None)
+            key = by_id.get(ident(value)) if isinstance(value, torch.Tensor) else None
+            if key is not None and store.infos[key].lossy is None:
+                store.infos[key].lossy = f"read through a comparison or reciprocal ({name})"
+                marked += 1
+    return marked
+
+
+@contextlib.contextmanager
+def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
+    stack: list[contextlib.ExitStack] = []
+
+    def pre(name: str) -> Callable:  # type: ignore[type-arg]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # type: ignore[type-arg]
+            es = contextlib.ExitStack()
+            es.enter_context(store.unit(name, args, kwargs))
+            stack.append(es)
+
+        return hook
+
+    def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if stack:
+            stack.pop().close()
+
+    handles = []
+    for u in units:
+        handles.append(u.module.register_forward_pre_hook(pre(u.name), with_kwargs=True))
+        handles.append(u.module.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _no_trace(model: nn.Module) -> Iterator[None]:
+    """Restore RNG streams and buffers afterwards: the probe must not change the training run."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = [b for b in model.buffers() if b is not None]
+    saved = [b.detach().clone() for b in buffers]
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, old in zip(buffers, saved):
+                    b.copy_(old)
+
+
+def probe_saved(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[Any, Batch], torch.Tensor],
+    units: list[Unit],
+    *,
+    sensitivity: bool = True,
+    samples: int = 1,
+    generator: torch.Generator | None = None,
+) -> tuple[list[SavedInfo], float]:
+    """The saved tensors of one training step on ``batch`` with their sensitivities, and ``||g||**2``.
+
+    The forward runs as the model is set up now (the caller switches implementations on as the plan will).
+    """
+    t0 = time.perf_counter()
+    store = SavedTensorStore(record=True, generator=generator)
+    grad_sq = 0.0
+    with _no_trace(model), torch.enable_grad():
+        with store.hooks(), _regions(store, units):
+            out = batch.call(model)
+        loss = loss_fn(out, batch)
+        _mark_exact_reads(loss, store)
+        if sensitivity:
+            params = [p for p in model.parameters() if p.requires_grad]
+            eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
+            result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator)
+            for key, c in _all_reduce_mean(result.per_tensor).items():
+                store.infos[key].sensitivity = c
+            grad_sq = result.grad_sq
+        del out, loss
+    infos = list(store.infos.values())
+    store.tensors.clear()
+    logger.info("zoomem: measured %d saved tensors%s in %.2f s", len(infos),
+                " and their sensitivities" if sensitivity else "", time.perf_counter() - t0)
+    return infos, grad_sq
+
+
+def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not values:
+        return values
+    keys = sorted(values)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    vec = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    vec /= dist.get_world_size()
+    return dict(zip(keys, vec.tolist()))

@@ -1,0 +1,215 @@
+"""zoomem's saved-tensor hooks: every tensor autograd saves inside a wrapped forward goes through here.
+
+A :class:`SavedTensorStore` is entered around one forward (``torch.autograd.graph.saved_tensors_hooks``, a
+thread-local context, never a process-global hook). Each distinct saved tensor gets a stable key,
+``"<region>#<k>"``: the region is the unit the forward is in (or ``<stem>`` / ``<after:unit>`` outside them) and
+``k`` counts distinct tensors saved in that region, so the same step with the same input signature names its
+tensors the same way every time. What the store does with a tensor depends on its key:
+
+- ``bits[key]`` set and the tensor lossy-eligible: it is quantized (:func:`~zoomem.compress.quantize`) and
+  dequantized when backward unpacks it; with ``offload`` the packed form moves to host memory in between;
+- otherwise it is kept as is.
+
+A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
+gets the first one's packed object. Autograd owns the packed objects, so ``retain_graph=True`` and double backward
+work. Lossy-eligible means floating, at least ``min_numel`` elements, computed in the forward (not a leaf: not a
+parameter, buffer or input) and not a copy or view of a parameter (autocast's fp16 weights); a tensor holding NaN
+or Inf stays exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..compress.quantize import Quantized, dequantize, quantize
+from ..planner.compression import SavedInfo
+
+__all__ = ["SavedTensorStore", "lossy_reason", "MIN_NUMEL"]
+
+MIN_NUMEL = 4096
+"""Tensors smaller than this are never stored lossily: their bytes do not matter and their statistics might."""
+
+_PASS_THROUGH = frozenset({
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
+    "TransposeBackward0", "ExpandBackward0", "AliasBackward0", "SliceBackward0", "SelectBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ReshapeAliasBackward0", "CloneBackward0",
+})
+
+
+def lossy_reason(t: torch.Tensor, min_numel: int = MIN_NUMEL) -> str | None:
+    """Why ``t`` must stay exact (``None``: it may be quantized)."""
+    if not t.is_floating_point():
+        return "not floating"
+    if t.layout != torch.strided:
+        return "not dense"
+    if t.numel() < min_numel:
+        return "tiny"
+    node = t.grad_fn
+    if node is None:
+        return "leaf (parameter, buffer or input)"
+    for _ in range(4):  # a parameter seen through casts and views (autocast's low-precision weight copies)
+        if type(node).__name__ not in _PASS_THROUGH:
+            return None
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return None
+        node = nxt[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return "parameter copy"
+    return None
+
+
+@dataclass(eq=False)
+class _Packed:
+    """What autograd holds for one saved tensor: the tensor itself, or its quantized form."""
+
+    tensor: torch.Tensor | None
+    quantized: Quantized | None = None
+    device: torch.device | None = None  # where to bring an offloaded form back
+    key: str = ""
+    store: "SavedTensorStore | None" = None  # recording stores only: perturbs keys on unpack (brute force)
+    view_of: "tuple[_Packed, tuple[int, ...], tuple[int, ...], int] | None" = None  # (base, shape, stride, offset)
+
+    def unpack(self) -> torch.Tensor:
+        if self.view_of is not None:
+            base, shape, stride, offset = self.view_of
+            return base.unpack().as_strided(shape, stride, offset)
+        if self.tensor is not None:
+            bits = self.store.perturb.get(self.key) if self.store is not None else None
+            if bits:
+                q = quantize(self.tensor, bits, generator=self.store.generator)  # type: ignore[union-attr]
+                return self.tensor if q is None else dequantize(q)
+            return self.tensor
+        assert self.quantized is not None
+        q = self.quantized
+        if self.device is not None and q.codes.device != self.device:
+            q = q.to(self.device, non_blocking=True)
+        return dequantize(q)
+
+
+@dataclass
+class SavedTensorStore:
+    """The per-forward saved-tensor policy (see the module docstring).
+
+    Args:
+        bits: key -> bits (1, 2, 4, 8) for tensors to quantize; a missing key is kept exact.
+        offload: move quantized forms to host memory until backward needs them.
+        generator: the stochastic-rounding noise source (zoomem's own: the user's RNG stream is untouched).
+        record: fill :attr:`infos` (and keep the tensors in :attr:`tensors`, for the sensitivity estimator).
+    """
+
+    bits: Mapping[str, int] = field(default_factory=dict)
+    offload: bool = False
+    generator: torch.Generator | None = None
+    record: bool = False
+    min_numel: int = MIN_NUMEL
+    perturb: dict[str, int] = field(default_factory=dict)
+    """With ``record``: keys quantized afresh each time backward unpacks them (for brute-force variance)."""
+    infos: dict[str, SavedInfo] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed_nbytes: int = 0
+    """Bytes the quantized forms of the last forward held."""
+    _region: str = "<stem>"
+    _counts: dict[str, int] = field(default_factory=dict)
+    _seen: dict[tuple, tuple[weakref.ref, _Packed, str]] = field(default_factory=dict)
+    _bases: dict[tuple, list[tuple[weakref.ref, _Packed, int, int]]] = field(default_factory=dict)
+    _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ regions
+    @contextlib.contextmanager
+    def unit(self, name: str, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Iterator[None]:
+        """Mark the forward of unit ``name``: tensors saved inside belong to its region."""
+        if self.record:  # saved tensors sharing storage with a unit's input: a checkpoint of it would hold them
+            for t in _tensors(args, kwargs or {}):
+                for key in self._input_ptrs.get(_ptr(t), ()):
+                    info = self.infos[key]
+                    if info.region != name and name not in info.input_of:
+                        info.input_of += (name,)
+        self._region = name
+        try:
+            yield
+        finally:
+            self._region = f"<after:{name}>"
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator["SavedTensorStore"]:
+        """Enter the hooks for one forward. On exit the store lets go of every packed object (autograd owns them)
+        so nothing outlives the backward that needs it."""
+        self._region, self._counts, self._seen, self._input_ptrs, self._bases = "<stem>", {}, {}, {}, {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            self.packed_nbytes = sum(p.quantized.nbytes for _, p, _ in self._seen.values() if p.quantized is not None)
+            self._seen, self._input_ptrs, self._bases = {}, {}, {}
+            if not self.record:
+                self.tensors = {}
+
+    # ------------------------------------------------------------------ hooks
+    def _pack(self, t: torch.Tensor) -> _Packed:
+        strided = t.layout == torch.strided
+        ident = (_ptr(t), t.storage_offset() if strided else 0, tuple(t.shape), t.stride() if strided else (),
+                 t.dtype, t.device)
+        hit = self._seen.get(ident)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        view = self._view_of_packed(t) if strided else None
+        if view is not None:  # another view (a transpose) of a tensor already stored: store it once
+            return view
+        region = self._region
+        k = self._counts.get(region, 0)
+        self._counts[region] = k + 1
+        key = f"{region}#{k}"
+        packed = _Packed(t, key=key, store=self) if self.record else _Packed(t)
+        bits = self.bits.get(key)
+        reason = lossy_reason(t, self.min_numel) if (bits or self.record) else "not asked"
+        if bits and reason is None:
+            q = quantize(t, bits, generator=self.generator)
+            if q is not None:
+                if self.offload and t.device.type != "cpu":
+                    q, packed.device = q.to("cpu", non_blocking=True), t.device
+                packed = _Packed(None, q, packed.device)
+        if self.record:
+            self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, t.numel() * t.element_size(), reason)
+            self.tensors[key] = t
+            self._input_ptrs.setdefault(_ptr(t), []).append(key)
+        self._seen[ident] = (weakref.ref(t), packed, key)
+        if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
+            self._bases.setdefault((_ptr(t), t.dtype, t.device), []).append(
+                (weakref.ref(t), packed, t.storage_offset(), t.numel()))
+        return packed
+
+    def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
+        """A packed contiguous tensor whose memory holds all of ``t`` (``t`` a view of it), as a view of it."""
+        if any(s < 0 for s in t.stride()):
+            return None
+        lo = t.storage_offset()
+        hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        for ref, packed, offset, numel in self._bases.get((_ptr(t), t.dtype, t.device), ()):
+            if ref() is not None and offset <= lo and hi < offset + numel:
+                return _Packed(None, view_of=(packed, tuple(t.shape), tuple(t.stride()), lo - offset))
+        return None
+
+    @staticmethod
+    def _unpack(packed: _Packed) -> torch.Tensor:
+        return packed.unpack()
+
+
+
+def _ptr(t: torch.Tensor) -> int:
+    if t.layout != torch.strided:  # sparse (PyG's CSR adjacency) or nested: no single storage
+        return id(t)
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    for leaf in pytree.tree_leaves((args, dict(kwargs))):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
