@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import copy
 import io
+import math
+import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoomem.ops import functional as Zf
@@ -393,6 +398,178 @@ def test_linear_under_cpu_autocast() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# double backward: every Function's backward is differentiable (float64 gradgradcheck), also w.r.t. the tensors it
+# saved (what zoomem's sensitivity estimator differentiates), and create_graph leaves first-order values bitwise
+
+
+def _grid(*shape: int) -> torch.Tensor:
+    """float64 values -1.45, -1.35, ..., 1.45 (shuffled, cycled): at least 0.05 from the kinks used below (0, 0.3,
+    -0.7, 0.9), so finite differences never straddle one."""
+    n = math.prod(shape)
+    v = torch.linspace(-1.45, 1.45, 30, dtype=torch.float64).repeat(n // 30 + 1)[:n]
+    return v[torch.randperm(n, generator=torch.Generator().manual_seed(n))].view(shape).requires_grad_(True)
+
+
+def _randn(*shape: int, seed: int = 0, lo: float | None = None) -> torch.Tensor:
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if lo is not None:  # keep |t| >= lo (gamma away from 0)
+        t = t.sign() * (t.abs() + lo)
+    return t.requires_grad_(True)
+
+
+def _distinct(*shape: int) -> torch.Tensor:
+    """Distinct values 0.1 apart (no ties inside a pooling window)."""
+    n = math.prod(shape)
+    return (torch.randperm(n, generator=torch.Generator().manual_seed(1)).double() / 10).view(shape).requires_grad_()
+
+
+def _gamma(c: int, zero: bool = False) -> torch.Tensor:
+    g = _randn(c, seed=5, lo=0.5).detach()
+    if zero:
+        g[1] = 0.0  # the output-activated norms fall back to saving the input
+    return g.requires_grad_(True)
+
+
+def _seeded_dropout(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(3)
+    return Zf.dropout(x * 1, 0.3)
+
+
+def _fused_dropout(x: torch.Tensor) -> torch.Tensor:  # the CUDA path (native_dropout), run on CPU
+    with mock.patch.object(Zf, "_fused_dropout_device", lambda t: True):
+        return _seeded_dropout(x)
+
+
+def _bn(act: str, zero: bool = False, affine: bool = True, shape: tuple = (3, 3, 2, 2)) -> tuple:
+    c = shape[1]
+    if not affine:
+        return (lambda x: Zf.batch_norm_act(x, None, None, None, None, True, act=act, negative_slope=0.1)), (
+            lambda: (_randn(*shape),))
+    return (lambda x, w, b: Zf.batch_norm_act(x, None, None, w, b, True, act=act, negative_slope=0.1)), (
+        lambda: (_randn(*shape), _gamma(c, zero), _randn(c, seed=6)))
+
+
+def _ln(zero: bool = False) -> tuple:
+    fn = lambda x, w, b: Zf.layer_norm(x, (4,), w, b)  # noqa: E731
+    return fn, (lambda: (_randn(2, 3, 4), _gamma(4, zero), _randn(4, seed=6)))
+
+
+def _spmm(reduce: str) -> tuple:
+    from zoomem.ops.message_passing import _CsrSpmmReduce
+
+    n = 7  # rows 0..6 with 2, 1, 0, 3, 1, 2, 1 entries (an empty row)
+    crow = torch.tensor([0, 2, 3, 3, 6, 7, 9, 10])
+    col = torch.tensor([1, 4, 0, 1, 2, 5, 3, 0, 6, 2])
+
+    def spmm(x: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():  # torch's note that sparse CSR support is in beta
+            warnings.simplefilter("ignore", UserWarning)
+            adj = torch.sparse_csr_tensor(crow, col, torch.ones(10, dtype=x.dtype), (n, n))
+        return _CsrSpmmReduce.apply(adj, x, reduce)
+
+    return spmm, (lambda: (_distinct(n, 3),))
+
+
+# id -> (fn, inputs factory, gradcheck tolerances)
+DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
+    "relu": (lambda x: Zf.relu(x), lambda: (_grid(3, 10),), {}),
+    "relu_inplace": (lambda x: Zf.relu(x * 1, inplace=True), lambda: (_grid(3, 10),), {}),
+    "hardtanh": (lambda x: Zf.hardtanh(x, -0.7, 0.9), lambda: (_grid(3, 10),), {}),
+    "leaky_inplace": (lambda x: Zf.leaky_relu(x * 1, 0.2, inplace=True), lambda: (_grid(3, 10),), {}),
+    "threshold": (lambda x: Zf.threshold(x, 0.3, -1.0), lambda: (_grid(3, 10),), {}),
+    "dropout": (_seeded_dropout, lambda: (_randn(3, 10),), {}),
+    "dropout_fused": (_fused_dropout, lambda: (_randn(3, 10),), {}),
+    **{f"bn_{a}": (*_bn(a), {}) for a in ("identity", "relu", "leaky_relu")},
+    **{f"bn_{a}_gamma0": (*_bn(a, zero=True), {}) for a in ("identity", "relu", "leaky_relu")},
+    "bn1d_plain": (*_bn("identity", affine=False, shape=(6, 3)), {}),
+    "ln": (*_ln(), {}),
+    "ln_gamma0": (*_ln(zero=True), {}),
+    "ln_plain_2d": (lambda x: Zf.layer_norm(x, (3, 4)), lambda: (_randn(2, 3, 4),), {}),
+    # HF's RMSNorm computes in fp32 whatever the input dtype: finite differences need a larger step
+    "rms": (lambda x, w: Zf.rms_norm(x, w, 1e-6), lambda: (_randn(2, 3, 4), _gamma(4)),
+            {"eps": 1e-3, "atol": 2e-3, "rtol": 2e-3}),
+    "rms_gamma0": (lambda x, w: Zf.rms_norm(x, w, 1e-6), lambda: (_randn(2, 3, 4), _gamma(4, zero=True)),
+                   {"eps": 1e-3, "atol": 2e-3, "rtol": 2e-3}),
+    "maxpool": (lambda x: Zf.max_pool2d(x, 3, 2, 1), lambda: (_distinct(1, 2, 6, 6),), {}),
+    "maxpool_dilated_ceil_cl": (
+        lambda x: Zf.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2, dilation=2, ceil_mode=True),
+        lambda: (_distinct(1, 2, 5, 5),), {}),
+    "linear3d": (lambda x, w, b: Zf.linear(x, w, b), lambda: (_randn(2, 3, 4), _randn(5, 4, seed=1), _randn(5)), {}),
+    "linear2d_nobias": (lambda x, w: Zf.linear(x, w), lambda: (_randn(3, 4), _randn(5, 4, seed=1)), {}),
+    "linear_weight_only": (lambda w: Zf.linear(torch.ones(3, 4, dtype=w.dtype), w),
+                           lambda: (_randn(5, 4, seed=1),), {}),
+    "conv_grouped": (lambda x, w, b: Zf.conv2d(x, w, b, 2, 1, 1, 2),
+                     lambda: (_randn(1, 4, 3, 3), _randn(2, 2, 2, 2, seed=1), _randn(2)), {}),
+    "conv_channels_last": (lambda x, w: Zf.conv2d(x.contiguous(memory_format=torch.channels_last), w, None, 1, 1),
+                           lambda: (_randn(1, 3, 4, 4), _randn(2, 3, 3, 3, seed=1)), {}),
+    "conv_bias_only": (lambda b: Zf.conv2d(torch.ones(1, 2, 4, 4, dtype=b.dtype), torch.ones(3, 2, 3, 3, dtype=b.dtype),
+                                           b, 1, 1),
+                       lambda: (_randn(3),), {}),
+    **{f"spmm_{r}": (*_spmm(r), {}) for r in ("sum", "mean", "max", "min")},
+}
+
+
+@pytest.mark.parametrize("case", list(DD_CASES))
+def test_gradgradcheck(case: str) -> None:
+    fn, inputs, tol = DD_CASES[case]
+    assert torch.autograd.gradcheck(fn, inputs(), **tol)
+    assert torch.autograd.gradgradcheck(fn, inputs(), **tol)
+
+
+def _zoomem_nodes(t: torch.Tensor) -> list:
+    """The zoomem autograd-Function nodes of ``t``'s graph."""
+    seen, stack, nodes = set(), [t.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, BackwardCFunction) and node._forward_cls.__module__.startswith("zoomem."):
+            nodes.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return nodes
+
+
+@pytest.mark.parametrize("case", list(DD_CASES))
+def test_double_backward_reaches_saved_tensors(case: str) -> None:
+    """Each backward, called on a stand-in ctx whose saved floating tensors are independent leaves, is
+    differentiable w.r.t. them (and the incoming gradients, one per output of the Function), correctly: gradcheck."""
+    fn, inputs, tol = DD_CASES[case]
+    nodes = _zoomem_nodes(fn(*inputs()))
+    assert nodes
+    for node in nodes:
+        saved = node.saved_tensors
+        floating = [i for i, t in enumerate(saved) if t is not None and t.is_floating_point()]
+        gen = torch.Generator().manual_seed(2)
+        grads = [torch.randn(tuple(m.shape), generator=gen, dtype=torch.float64).requires_grad_(True)
+                 for m in node._input_metadata]  # one per output of the Function
+        leaves = [saved[i].detach().double().requires_grad_(True) for i in floating]
+
+        def backward(*args: torch.Tensor, node=node, saved=saved, floating=floating) -> tuple:
+            values = list(saved)
+            for i, t in zip(floating, args[: len(floating)]):
+                values[i] = t
+            ctx = SimpleNamespace(**vars(node), saved_tensors=tuple(values), needs_input_grad=node.needs_input_grad)
+            out = node._forward_cls.backward(ctx, *args[len(floating):])
+            return tuple(g for g in out if g is not None)
+
+        assert torch.autograd.gradcheck(backward, (*leaves, *grads), fast_mode=True, **tol), type(node).__name__
+
+
+@pytest.mark.parametrize("case", list(DD_CASES))
+def test_create_graph_keeps_first_order_bitwise(case: str) -> None:
+    """fp32: the gradients a create_graph backward returns are the ordinary backward's, bitwise, and differentiable."""
+    fn, inputs, _ = DD_CASES[case]
+    xs = [t.detach().float().requires_grad_(True) for t in inputs()]
+    out = fn(*xs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    plain = torch.autograd.grad(out, xs, g, retain_graph=True)
+    recorded = torch.autograd.grad(out, xs, g, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    assert any(r.requires_grad for r in recorded)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # registry and installation
 
 
@@ -558,3 +735,44 @@ def test_timm_resnet18_gradients_match(everything: bool) -> None:
             assert rel(g_o[n], g_s[n]) < 1e-5, n
         for (n, a), (_, b) in zip(stock.named_buffers(), ours.named_buffers()):
             assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize(
+    "model_id, impls",
+    [
+        ("timm/resnet18", {"relu_bitmask", "batchnorm_output", "conv2d_split_backward"}),
+        ("hf/bert-base-uncased", {"dropout_bitmask", "layernorm_output", "linear_split_backward"}),
+        ("pyg/sage", {"message_passing_spmm"}),  # mean aggregation: aten's CPU SpMM-reduce kernel, routed
+    ],
+)
+def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[str]) -> None:
+    """grad(loss, params, create_graph=True), then the gradient of a scalar of those gradients, through a model
+    with every compact implementation zoomem would switch on: first-order gradients bitwise as without
+    create_graph, second-order ones finite and as the stock model's, to fp32 rounding (each Function's second
+    order is checked exactly above; this checks the assembly)."""
+    from zoomem.runtime.compact import choose_impls, install_all
+    from zoomem.zoo import small
+
+    if model_id.startswith("pyg/"):
+        pytest.importorskip("torch_geometric")
+    flat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
+    results = []
+    for compact in (False, True):
+        model, adapter, batch = small(model_id, batch_size=1)
+        model.train()
+        if compact:
+            chosen = choose_impls(model, adapter.units(model), batch)
+            assert impls <= {impl.name for pairs in chosen.values() for _, impl in pairs}
+            install_all(chosen)
+        params = [p for p in model.parameters() if p.requires_grad]
+        torch.manual_seed(0)  # dropout draws
+        loss = adapter.loss(model, batch, batch.call(model))
+        plain = torch.autograd.grad(loss, params, retain_graph=True)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+        penalty = sum(g.square().sum() for g in grads)
+        second = torch.autograd.grad(penalty, params)
+        results.append((flat(grads).detach(), flat(second)))
+    (g_stock, h_stock), (g_ours, h_ours) = results
+    assert torch.isfinite(h_ours).all() and h_ours.norm() > 0
+    assert rel(g_ours, g_stock) < 1e-5 and rel(h_ours, h_stock) < 1e-4

@@ -23,7 +23,7 @@ __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantiz
 
 BITS = (1, 2, 4, 8)
 GROUP_SIZE = 256
-_CHUNK_ELEMS = 1 << 22  # elements quantized at once: bounds the fp32 temporaries to ~16 MiB each
+_CHUNK_ELEMS = 1 << 20  # elements (de)quantized at once: bounds the fp32 temporaries to two of 4 MiB
 
 
 @dataclass(eq=False)
@@ -87,9 +87,10 @@ def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[tor
     hi = xf.amax(dim=1)
     levels = (1 << bits) - 1
     step = hi / levels - lo / levels  # no overflow of hi - lo near the fp32 limit
-    safe = torch.where(step > 0, step, torch.ones_like(step))  # divide, not multiply by 1/step: denormal steps
-    scaled = torch.where(step[:, None] > 0, (xf - lo[:, None]) / safe[:, None], torch.zeros_like(xf))
-    codes = torch.floor(scaled + noise).clamp_(0, levels).to(torch.uint8)
+    # divide (not multiply by 1/step: denormal steps); a constant group has x - lo == 0 and step 1 here: code 0
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    scaled = xf - lo[:, None]  # one fp32 temporary, then in place
+    codes = scaled.div_(safe[:, None]).add_(noise).floor_().clamp_(0, levels).to(torch.uint8)
     return codes, lo, step
 
 
@@ -163,14 +164,14 @@ def dequantize(q: Quantized) -> torch.Tensor:
         for r0 in range(0, rows, max(1, chunk // q.row_groups)):
             r1 = min(rows, r0 + max(1, chunk // q.row_groups))
             g0, g1 = r0 * q.row_groups, r1 * q.row_groups
-            vals = q.lo[g0:g1, None] + _unpack(q.codes[g0:g1], q.bits).float() * q.step[g0:g1, None]
-            view[r0:r1] = vals.reshape(r1 - r0, -1)[:, :row_len].to(q.dtype)
+            vals = _unpack(q.codes[g0:g1], q.bits).float().mul_(q.step[g0:g1, None]).add_(q.lo[g0:g1, None])
+            view[r0:r1] = vals.reshape(r1 - r0, -1)[:, :row_len]
     else:
         for g0 in range(0, q.codes.shape[0], chunk):
             g1 = min(q.codes.shape[0], g0 + chunk)
-            vals = (q.lo[g0:g1, None] + _unpack(q.codes[g0:g1], q.bits).float() * q.step[g0:g1, None]).reshape(-1)
+            vals = _unpack(q.codes[g0:g1], q.bits).float().mul_(q.step[g0:g1, None]).add_(q.lo[g0:g1, None])
             n = min(numel, g1 * q.group_size) - g0 * q.group_size
-            out[g0 * q.group_size:g0 * q.group_size + n] = vals[:n].to(q.dtype)
+            out[g0 * q.group_size:g0 * q.group_size + n] = vals.reshape(-1)[:n]
     return out.view(q.shape)
 
 

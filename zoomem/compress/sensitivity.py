@@ -14,9 +14,10 @@ forward, backward with ``create_graph=True``, and one backward of ``v . g`` for 
 *through its uses in the backward formulas* only: a pre-hook on the autograd node that produced s reads it there and
 stops it, so nothing flows on into the forward graph (that would add other tensors' terms).
 
-Known limit: first order. A saved value used only through a comparison (a ReLU's mask from its output) has zero
-derivative although rounding can flip the comparison; zoomem stores such masks exactly (1-bit compact forms), and
-a tensor whose C_s is zero is never stored lossily by the bit allocator (:mod:`zoomem.planner.bits`).
+Known limit: first order. A saved value read through a comparison (a ReLU's mask from its output) has zero
+derivative although rounding can flip the comparison, and one read through a reciprocal (a softmax denominator)
+is far from linear at 2 bits; the probe (:mod:`zoomem.runtime.probe`) keeps such tensors exact. Second-order
+terms of nonlinear backward formulas (LayerNorm's input) make the estimate conservative there.
 """
 
 from __future__ import annotations

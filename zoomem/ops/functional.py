@@ -30,10 +30,20 @@ input-sized temporary the stock backward does not need). Their saved output must
 the forward; autograd then raises at backward (with a zoomem message, see :func:`saves_output`):
 ``relu``/``hardtanh``/``leaky_relu``/``threshold`` asked to run in place on such an output run out of place instead.
 
-All backward passes are ``once_differentiable`` (no double backward). ``retain_graph=True`` and non-reentrant
-checkpointing work (dropout draws the same RNG stream as the stock op, so a recomputed mask matches). linear/conv2d
-call the weight- and input-gradient kernels separately: bitwise on CPU; on CUDA cuDNN may pick other algorithms for
-the separate calls (last-bit differences).
+Double backward (``create_graph=True``: gradient penalties, zoomem's sensitivity estimator) works through every
+function, with respect to the inputs and to each tensor saved for backward: the backward passes are written with
+differentiable ops (masks and indices are constants; max-pool, dropout, linear and conv call aten backward kernels
+that have derivative formulas). Saved tensors that are neither an input nor the output (the batch or row
+statistics, batch_norm_act's pre-activation output for relu) are extra outputs of the autograd Function, PyTorch's
+rule for saved intermediates, which the public functions drop. batch_norm_act and layer_norm call aten backward
+kernels that cannot be differentiated with respect to those statistics; under ``create_graph`` they return the
+kernel's values (first-order gradients stay bitwise identical) carrying the graph of the same formula written with
+differentiable ops, evaluated once more for it (rms_norm's backward is such a formula already). An ordinary
+backward runs as before: the same kernels, no extra temporaries, the same saved tensors.
+
+``retain_graph=True`` and non-reentrant checkpointing work (dropout draws the same RNG stream as the stock op, so a
+recomputed mask matches). linear/conv2d call the weight- and input-gradient kernels separately: bitwise on CPU; on
+CUDA cuDNN may pick other algorithms for the separate calls (last-bit differences).
 
 GELU / SiLU are deliberately absent: they need their input, and saving it in fewer bits is lossy. The planner
 handles them by recomputation.
@@ -47,12 +57,14 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from typing import Any, Sequence
+import math
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .packbits import pack_bool, unpack_bool
 
@@ -126,6 +138,31 @@ def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+class _KernelValue(torch.autograd.Function):
+    """``value`` (an aten kernel's result, computed without autograd) carrying the autograd history of ``expr``
+    (the same quantity written with differentiable ops). Under ``create_graph`` the norms' backward thus returns
+    the very values of its ordinary backward (bitwise) while the double backward differentiates ``expr``."""
+
+    @staticmethod
+    def forward(ctx, value, expr):  # type: ignore[override]
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return None, grad
+
+
+def _kernel_value(value: torch.Tensor | None, expr: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None or expr is None:
+        return value
+    return _KernelValue.apply(value, expr.to(value.dtype))
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    """The precision the norms' backward computes in: fp64 for fp64, else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _le(x: torch.Tensor, a: float) -> torch.Tensor:
     """``x <= a`` as aten's activation kernels compare: in fp32 opmath for bf16/fp16 (a Python scalar compared with
     a bf16 tensor would be rounded to bf16 first), exact and without an fp32 copy of ``x``."""
@@ -159,6 +196,21 @@ def _act_forward_mask(kind: str, x: torch.Tensor, a: float, b: float) -> torch.T
 # ----------------------------------------------------------------------------------------------------------------
 # activations with a 1-bit mask
 
+
+
+_SEPARATE_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("zoomem_separate_masks", default=False)
+
+
+@contextlib.contextmanager
+def separate_masks() -> Iterator[None]:
+    """Inside: functions that would read an activation mask from a saved float tensor (BatchNorm+ReLU's
+    pre-activation) save the mask as its own 1-bit tensor, so that the float tensor can be stored lossily
+    (rounding must not flip a mask). zoomem's saved-tensor store enters this around every forward it handles."""
+    token = _SEPARATE_MASKS.set(True)
+    try:
+        yield
+    finally:
+        _SEPARATE_MASKS.reset(token)
 
 
 def _save_mask(ctx: Any, mask: torch.Tensor) -> None:
@@ -197,7 +249,6 @@ class _BitmaskActivation(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         mask = _load_mask(ctx)
         if ctx.kind == "leaky_relu":
@@ -277,7 +328,6 @@ class _BitmaskDropout(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         mask = _load_mask(ctx)
         if ctx.fused:
@@ -312,9 +362,48 @@ def _bn_stats_forward(x, weight, bias, running_mean, running_var, momentum, eps)
     return out, save_invstd, save_mean
 
 
+def _bn_explicit(
+    g: torch.Tensor, xhat: torch.Tensor, weight: torch.Tensor | None, invstd: torch.Tensor, ndim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode batch-norm gradients (d/dx, d/dgamma, d/dbeta) written with differentiable ops, in ``g``'s
+    precision; ``g``: gradient w.r.t. the pre-activation output, ``xhat``: the normalized input."""
+    dims = [0] + list(range(2, ndim))
+    w_eff = invstd if weight is None else weight * invstd
+    gx = _channel_view(w_eff, ndim) * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+    return gx, (g * xhat).sum(dims), g.sum(dims)
+
+
+def _bn_stat_grads(
+    gx: torch.Tensor | None,
+    xhat: torch.Tensor | None,
+    invstd: torch.Tensor,
+    g_mean: torch.Tensor | None,
+    g_invstd: torch.Tensor | None,
+    ndim: int,
+) -> torch.Tensor | None:
+    """``gx`` plus the gradient that reaches x through the returned batch mean and 1/std (only a double backward
+    sends any): d mean/dx = 1/M, d invstd/dx = -invstd**2 * xhat / M per channel of M elements."""
+    if gx is None or (g_mean is None and g_invstd is None):
+        return gx
+    assert xhat is not None
+    work, m = xhat.dtype, xhat.numel() // xhat.shape[1]
+    extra: Any = 0
+    if g_mean is not None:
+        extra = _channel_view(g_mean.to(work), ndim) / m
+    if g_invstd is not None:
+        s = invstd.to(work)
+        extra = extra - _channel_view(g_invstd.to(work) * s * s, ndim) * xhat / m
+    return gx + extra.to(gx.dtype)
+
+
 class _BatchNormAct(torch.autograd.Function):
+    """Returns ``(out, *stats)``: every saved tensor that is neither an input nor ``out`` (the batch mean and 1/std,
+    the pre-activation output for relu) is an output too, so that a double backward differentiates through it
+    (PyTorch's rule for saved intermediates). :func:`batch_norm_act` returns ``out`` alone."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, act, slope):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # the extra outputs get a gradient only in a double backward
         y, invstd, mean = _bn_stats_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         ctx.act, ctx.slope, ctx.eps, ctx.ndim = act, slope, eps, x.dim()
         ctx.fallback = _needs_fallback(weight)
@@ -332,64 +421,97 @@ class _BatchNormAct(torch.autograd.Function):
                 out = F.leaky_relu_(y, slope)
             ctx.shape = shape
             ctx.save_for_backward(x, weight, bias, mean, invstd, packed)
-            return out
+            return out, mean, invstd
+        # the mask of relu / leaky_relu: read from the saved float tensor (``exact_reads``: it must stay exact), or
+        # under separate_masks() saved as its own 1-bit tensor
+        separate = act in ("relu", "leaky_relu") and _SEPARATE_MASKS.get()
+        ctx.exact_reads = (0,) if act in ("relu", "leaky_relu") and not separate else ()
+        extra: tuple[torch.Tensor, ...] = ()
+        if separate:
+            packed, ctx.mask_shape = pack_bool(y > 0)
+            extra = (packed,)
         if act == "relu":
             out = torch.relu(y)  # y (pre-activation) is saved, so the activation cannot overwrite it
-            ctx.save_for_backward(y, weight, bias, invstd)
-            return out
+            ctx.save_for_backward(y, weight, bias, invstd, *extra)
+            return out, y, invstd
         if act == "leaky_relu":
             y = F.leaky_relu_(y, slope)  # invertible for slope > 0: save the activated output itself
-        ctx.save_for_backward(y, weight, bias, invstd)
+        ctx.save_for_backward(y, weight, bias, invstd, *extra)
         ctx._zoomem_saved_output = True
-        return y
+        return y, invstd
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, *stat_grads):  # type: ignore[override]
         act, ndim = ctx.act, ctx.ndim
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        diff = torch.is_grad_enabled()  # create_graph: the gradients must be differentiable themselves
+        g_pre = g_mean = xhat = None
         if ctx.fallback:
             x, weight, bias, mean, invstd, packed = _saved(ctx, "batch_norm_act")
+            g_mean, g_invstd = stat_grads
+            if grad is None:  # a double backward that reaches only the statistics
+                grad = torch.zeros_like(x)
             if act == "relu":
                 grad = grad.masked_fill(~unpack_bool(packed, ctx.shape), 0)
             elif act == "leaky_relu":
                 grad = torch.where(unpack_bool(packed, ctx.shape), grad, grad * ctx.slope)
-            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                grad, x, weight, None, None, mean, invstd, True, ctx.eps, [need_x, need_w, need_b]
-            )
+            with torch.no_grad():
+                gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                    grad, x, weight, None, None, mean, invstd, True, ctx.eps, [need_x, need_w, need_b]
+                )
+            if diff or g_mean is not None or g_invstd is not None:
+                work = _work_dtype(x)
+                xhat = (x.to(work) - _channel_view(mean.to(work), ndim)) * _channel_view(invstd.to(work), ndim)
+            if diff:
+                wf = weight.to(work) if weight is not None else None
+                ex, ew, eb = _bn_explicit(grad.to(work), xhat, wf, invstd.to(work), ndim)
+                gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+            gx = _bn_stat_grads(gx, xhat, invstd, g_mean, g_invstd, ndim)
             return gx, gw, gb, None, None, None, None, None, None
-        saved, weight, bias, invstd = _saved(ctx, "batch_norm_act")
+        saved, weight, bias, invstd, *mask = _saved(ctx, "batch_norm_act")
+        pos = unpack_bool(mask[0], ctx.mask_shape) if mask else saved > 0
+        if act == "relu":
+            g_pre, g_invstd = stat_grads
+        else:
+            (g_invstd,) = stat_grads
+        if grad is None:
+            grad = torch.zeros_like(saved)
         # 1. gradient w.r.t. the pre-activation output y, and y itself
         if act == "relu":
             y = saved
-            grad = grad.masked_fill(y <= 0, 0)
+            grad = grad.masked_fill(~pos, 0)
         elif act == "leaky_relu":
-            pos = saved > 0
             grad = torch.where(pos, grad, grad * ctx.slope)
             y = torch.where(pos, saved, saved / ctx.slope)
         else:
             y = saved
+        if g_pre is not None:  # a double backward through the returned pre-activation output
+            grad = grad + g_pre
         # 2. xhat = (y - beta) / gamma in fp32, then aten's batch-norm backward with mean 0, invstd 1 and
         #    weight gamma * invstd: d/dx = gamma*invstd*(g - mean(g) - xhat*mean(g*xhat)), d/dgamma = sum(g*xhat)
-        work = torch.float64 if y.dtype == torch.float64 else torch.float32
+        work = _work_dtype(y)
         c = invstd.numel()
         xhat = y.to(work)
         if bias is not None:
             xhat = xhat - _channel_view(bias.to(work), ndim)
         if weight is not None:
             xhat = xhat / _channel_view(weight.to(work), ndim)
-            w_eff = weight.to(work) * invstd.to(work)
-        else:
-            w_eff = invstd.to(work)
         g = grad.to(work)
-        zeros = torch.zeros(c, dtype=work, device=y.device)
-        ones = torch.ones(c, dtype=work, device=y.device)
-        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            g, xhat, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and weight is not None, need_b]
-        )
+        with torch.no_grad():
+            w_eff = weight.to(work) * invstd.to(work) if weight is not None else invstd.to(work)
+            zeros = torch.zeros(c, dtype=work, device=y.device)
+            ones = torch.ones(c, dtype=work, device=y.device)
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                g, xhat, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and weight is not None, need_b]
+            )
+        if diff:
+            wf = weight.to(work) if weight is not None else None
+            ex, ew, eb = _bn_explicit(g, xhat, wf, invstd.to(work), ndim)
+            gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(weight.dtype) if gw is not None and weight is not None else None
         gb = gb.to(bias.dtype) if gb is not None and bias is not None else None
+        gx = _bn_stat_grads(gx, xhat, invstd, None, g_invstd, ndim)
         return gx, gw, gb, None, None, None, None, None, None
 
 
@@ -430,60 +552,119 @@ def batch_norm_act(
             return F.leaky_relu(y, negative_slope)
         return y
     F._verify_batch_size(x.size())
-    return _BatchNormAct.apply(x, weight, bias, running_mean, running_var, momentum, eps, act, float(negative_slope))
+    return _BatchNormAct.apply(x, weight, bias, running_mean, running_var, momentum, eps, act, float(negative_slope))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # layer norm, output-activated
 
 
+def _ln_explicit(
+    g: torch.Tensor, xhat: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer-norm gradients (d/dx, d/dgamma, d/dbeta) over the last ``k`` dims written with differentiable ops."""
+    red, lead = tuple(range(-k, 0)), tuple(range(g.dim() - k))
+    gh = g * weight if weight is not None else g
+    gx = rstd * (gh - gh.mean(red, keepdim=True) - xhat * (gh * xhat).mean(red, keepdim=True))
+    return gx, (g * xhat).sum(lead), g.sum(lead)
+
+
+def _row_stat_grads(
+    gx: torch.Tensor | None,
+    xhat: torch.Tensor | None,
+    rstd: torch.Tensor,
+    g_mean: torch.Tensor | None,
+    g_rstd: torch.Tensor | None,
+    d: int,
+) -> torch.Tensor | None:
+    """``gx`` plus the gradient that reaches x through the returned per-row mean and 1/std (or 1/rms, with
+    ``xhat`` = x/rms) over ``d`` elements: d mean/dx = 1/d, d rstd/dx = -rstd**2 * xhat / d."""
+    if gx is None or (g_mean is None and g_rstd is None):
+        return gx
+    assert xhat is not None
+    work = xhat.dtype
+    extra: Any = 0
+    if g_mean is not None:
+        extra = g_mean.to(work) / d
+    if g_rstd is not None:
+        r = rstd.to(work)
+        extra = extra - g_rstd.to(work) * r * r * xhat / d
+    return gx + extra.to(gx.dtype)
+
+
 class _LayerNorm(torch.autograd.Function):
+    """Returns ``(y, *stats)``: the saved per-row statistics are outputs too, for the double backward (see
+    :class:`_BatchNormAct`); :func:`layer_norm` returns ``y`` alone."""
+
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
         y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape = list(normalized_shape)
         ctx.x_dtype = x.dtype
         ctx.fallback = _needs_fallback(weight)
         if ctx.fallback:
             ctx.save_for_backward(x, weight, bias, mean, rstd)
-        else:
-            ctx.save_for_backward(y, weight, bias, rstd)
-            ctx._zoomem_saved_output = True
-        return y
+            return y, mean, rstd
+        ctx.save_for_backward(y, weight, bias, rstd)
+        ctx._zoomem_saved_output = True
+        return y, rstd
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, *stat_grads):  # type: ignore[override]
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        diff = torch.is_grad_enabled()  # create_graph: the gradients must be differentiable themselves
+        ns = ctx.normalized_shape
+        d = math.prod(ns)
+        g_mean = xhat = None
         if ctx.fallback:
             x, weight, bias, mean, rstd = _saved(ctx, "layer_norm")
-            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-                grad, x, ctx.normalized_shape, mean, rstd, weight, bias, mask
-            )
-            return gx, None, gw, gb, None
+            g_mean, g_rstd = stat_grads
+            if grad is None:  # a double backward that reaches only the statistics
+                grad = torch.zeros_like(x)
+            with torch.no_grad():
+                gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, ns, mean, rstd, weight, bias, mask)
+            work = _work_dtype(x)
+            if diff or g_mean is not None or g_rstd is not None:
+                xhat = (x.to(work) - mean.to(work)) * rstd.to(work)
+            if diff:
+                wf = weight.to(work) if weight is not None else None
+                ex, ew, eb = _ln_explicit(grad.to(work), xhat, wf, rstd.to(work), len(ns))
+                gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+            return _row_stat_grads(gx, xhat, rstd, g_mean, g_rstd, d), None, gw, gb, None
         y, weight, bias, rstd = _saved(ctx, "layer_norm")
-        work = torch.float32 if y.dtype != torch.float64 else y.dtype
+        (g_rstd,) = stat_grads
+        if grad is None:
+            grad = torch.zeros_like(y)
+        work = _work_dtype(y)
         xhat = y.to(work)
         if bias is not None:
             xhat = xhat - bias.to(work)
         if weight is not None:
             xhat = xhat / weight.to(work)
+        g = grad.to(work)
         # aten's layer-norm backward on xhat with mean 0, rstd 1 gives d/dxhat-projected; times rstd = d/dx
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            grad.to(work),
-            xhat,
-            ctx.normalized_shape,
-            torch.zeros_like(rstd, dtype=work),
-            torch.ones_like(rstd, dtype=work),
-            weight.to(work) if weight is not None else None,
-            bias.to(work) if bias is not None else None,
-            [mask[0], mask[1] and weight is not None, mask[2] and bias is not None],
-        )
-        if gx is not None:
-            gx = (gx * rstd.to(work)).to(ctx.x_dtype)
+        with torch.no_grad():
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                g,
+                xhat,
+                ns,
+                torch.zeros_like(rstd, dtype=work),
+                torch.ones_like(rstd, dtype=work),
+                weight.to(work) if weight is not None else None,
+                bias.to(work) if bias is not None else None,
+                [mask[0], mask[1] and weight is not None, mask[2] and bias is not None],
+            )
+            if gx is not None:
+                gx = gx * rstd.to(work)
+        if diff:
+            wf = weight.to(work) if weight is not None else None
+            ex, ew, eb = _ln_explicit(g, xhat, wf, rstd.to(work), len(ns))
+            gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+        gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(bias.dtype) if gb is not None else None
-        return gx, None, gw, gb, None
+        return _row_stat_grads(gx, xhat, rstd, None, g_rstd, d), None, gw, gb, None
 
 
 def layer_norm(
@@ -507,10 +688,10 @@ def layer_norm(
         elif dev == "cuda":  # CUDA autocast runs layer_norm in fp32
             x, weight, bias = _cast(torch.float32, x, weight, bias)
             with torch.autocast(dev, enabled=False):
-                return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
+                return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)[0]
         else:  # an autocast policy we have not checked: keep the stock op
             return F.layer_norm(x, normalized_shape, weight, bias, eps)
-    return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
+    return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -529,8 +710,13 @@ def _rms_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
 
 
 class _RMSNorm(torch.autograd.Function):
+    """Returns ``(y, 1/rms)``: the saved per-row statistic is an output too, for the double backward (see
+    :class:`_BatchNormAct`); :func:`rms_norm` returns ``y`` alone. The backward is written with differentiable
+    ops throughout, so a ``create_graph`` backward computes the very same values."""
+
     @staticmethod
     def forward(ctx, x, weight, eps):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
         y, r = _rms_forward(x, weight, eps)
         ctx.fallback = _needs_fallback(weight)
         ctx.x_dtype = x.dtype
@@ -539,12 +725,13 @@ class _RMSNorm(torch.autograd.Function):
         else:
             ctx.save_for_backward(y, weight, r)
             ctx._zoomem_saved_output = True
-        return y
+        return y, r
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, g_r):  # type: ignore[override]
         saved, weight, r = _saved(ctx, "rms_norm")
+        if grad is None:  # a double backward that reaches only 1/rms
+            grad = torch.zeros_like(saved)
         if ctx.fallback:
             n_f = saved.to(torch.float32) * r
             n_d = n_f.to(ctx.x_dtype)
@@ -560,7 +747,8 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gn = (grad * weight if weight is not None else grad).to(torch.float32)
             # d/dx of n = x * rsqrt(mean(x^2) + eps):  r * (gn - n * mean(gn * n))
-            gx = (r * (gn - n_f * (gn * n_f).mean(-1, keepdim=True))).to(ctx.x_dtype)
+            gx_f = r * (gn - n_f * (gn * n_f).mean(-1, keepdim=True))
+            gx = _row_stat_grads(gx_f, n_f, r, None, g_r, n_f.shape[-1]).to(ctx.x_dtype)  # type: ignore[union-attr]
         return gx, gw, None
 
 
@@ -573,7 +761,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """
     if not torch.is_grad_enabled():
         return _rms_forward(x, weight, eps)[0]
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -617,7 +805,6 @@ class _MaxPool2dCompact(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         (local,) = ctx.saved_tensors
         kernel, stride, padding, dilation, ceil_mode = ctx.args
@@ -680,7 +867,6 @@ class _LinearInputGrad(torch.autograd.Function):
         return x2.mm(weight.t()).add_(bias)  # aten.linear's matmul + bias path (inputs it does not fold to addmm)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
@@ -700,7 +886,6 @@ class _LinearWeightGrad(torch.autograd.Function):
         return y2
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         (x2,) = ctx.saved_tensors
         gw = grad.t().mm(x2) if x2 is not None else None
@@ -748,7 +933,6 @@ class _Conv2dInputGrad(torch.autograd.Function):
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return (None,) * 7
@@ -775,7 +959,6 @@ class _Conv2dWeightGrad(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.args

@@ -10,6 +10,14 @@ current forward (the plan's, so recomputation still applies).
 It applies only where both paths compute the same thing: a simple graph (no duplicate edges, no self
 loops, checked on every call; otherwise it falls back to the edge list) and no edge weights or extra inputs.
 The sums run in another order, so results agree to float rounding (about 1e-7 relative), not bitwise.
+
+Double backward (``create_graph=True``): PyG's ``spmm`` runs ``aggr="add"`` as a plain ``torch.sparse.mm``, which
+supports it; other reductions on CPU go to aten's ``_sparse_mm_reduce_impl``, whose backward has no derivative
+formula. Inside the conv's forward these calls on our adjacency are routed to :class:`_CsrSpmmReduce`: the same
+forward kernel (bitwise the same output) and, in an ordinary backward, the same backward kernel (bitwise the same
+gradient); under ``create_graph`` its backward is rebuilt from differentiable ops (the transposed SpMM for
+sum/mean, a scatter through the saved argmax for max/min). The adjacency is a constant (an integer structure with
+unit values): no gradient flows to it, as none does through the edge list.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from .functional import _kernel_value
 from .impls import Impl, register_impl
 
 __all__ = ["register_message_passing_impl"]
@@ -51,7 +61,106 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
         warnings.simplefilter("ignore", UserWarning)
         adj_t = to_torch_csr_tensor(edge_index.flip(0), size=(n, n))  # rows: targets, as PyG's adj_t
-    return original(x, adj_t)
+    with _RouteReduceSpmm(adj_t):
+        return original(x, adj_t)
+
+
+_REDUCES = frozenset({"sum", "mean", "max", "min", "amax", "amin"})
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _CsrSpmmReduce(torch.autograd.Function):
+    """``torch.sparse.mm(adj, x, reduce)`` for a constant CSR ``adj`` (unit values) and a dense 2-D ``x``.
+
+    Forward: aten's ``_sparse_mm_reduce_impl``, what ``torch.sparse.mm`` runs. Backward: aten's
+    ``_sparse_mm_reduce_impl_backward`` (bitwise the stock gradient) and, when the backward itself is recorded
+    (``create_graph``), that value carrying the graph of a differentiable rewrite. Saves the adjacency's integer
+    structure and, for max/min, the argmax (the stock node saves the adjacency, ``x`` and the argmax).
+    """
+
+    @staticmethod
+    def forward(ctx, adj, x, reduce):  # type: ignore[override]
+        if reduce in ("sum", "mean"):
+            out, arg_out = torch.ops.aten._sparse_mm_reduce_impl(adj, x, reduce)
+        else:  # aten computes the argmax only while it records a graph: let it, on a detached leaf, hooks off
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                out, arg_out = torch.ops.aten._sparse_mm_reduce_impl(adj, x.detach().requires_grad_(), reduce)
+            out = out.detach()
+        ctx.reduce, ctx.x_shape, ctx.adj_shape, ctx.v_dtype = reduce, x.shape, adj.shape, adj.values().dtype
+        ctx.save_for_backward(adj.crow_indices(), adj.col_indices(), arg_out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        crow, col, arg_out = ctx.saved_tensors
+        with torch.no_grad():
+            ones = torch.ones(col.numel(), dtype=ctx.v_dtype, device=col.device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                adj = torch.sparse_csr_tensor(crow, col, ones, ctx.adj_shape)
+            dummy = grad.new_empty(()).expand(ctx.x_shape)  # read for its shape only (no value gradient asked)
+            _, gx = torch.ops.aten._sparse_mm_reduce_impl_backward(adj, grad, dummy, ctx.reduce, arg_out, [False, True])
+            del adj, ones
+        if torch.is_grad_enabled():
+            gx = _kernel_value(gx, _spmm_reduce_grad(crow, col, arg_out, grad, ctx.reduce, ctx.x_shape))
+        return None, gx, None
+
+
+def _spmm_reduce_grad(
+    crow: torch.Tensor, col: torch.Tensor, arg_out: torch.Tensor, grad: torch.Tensor, reduce: str, x_shape: torch.Size
+) -> torch.Tensor:
+    """d/dx of ``spmm(adj, x, reduce)`` (unit values) applied to ``grad``, with differentiable ops."""
+    nnz = col.numel()
+    if nnz == 0:
+        return grad.new_zeros(x_shape)
+    if reduce in ("sum", "mean"):
+        deg = crow[1:] - crow[:-1]
+        if reduce == "mean":
+            grad = grad / deg.clamp(min=1).unsqueeze(-1).to(grad.dtype)
+        rows = torch.repeat_interleave(torch.arange(deg.numel(), device=col.device), deg)
+        perm = torch.argsort(col, stable=True)
+        crow_t = torch.zeros(x_shape[0] + 1, dtype=crow.dtype, device=col.device)
+        crow_t[1:] = torch.bincount(col, minlength=x_shape[0]).cumsum(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            adj_tt = torch.sparse_csr_tensor(
+                crow_t, rows[perm], torch.ones(nnz, dtype=grad.dtype, device=col.device), (x_shape[0], deg.numel())
+            )
+        return torch.sparse.mm(adj_tt, grad)  # adj^T @ grad: differentiable in grad
+    # max / min: each output element came from the entry arg_out (== nnz for an empty row, which gets nothing)
+    valid = arg_out < nnz
+    src = torch.where(valid, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    return grad.new_zeros(x_shape).scatter_add(0, col[arg_out.clamp(max=nnz - 1)], src)
+
+
+class _RouteReduceSpmm(TorchFunctionMode):
+    """Inside a conv's forward, sends ``torch.sparse.mm(adj, x, reduce)`` on our adjacency to
+    :class:`_CsrSpmmReduce` when ``x`` needs a gradient; every other call runs unchanged."""
+
+    def __init__(self, adj: torch.Tensor) -> None:
+        super().__init__()
+        self.adj = adj
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.sparse.mm and args and args[0] is self.adj:
+            other = args[1] if len(args) > 1 else kwargs.get("mat2")
+            reduce = args[2] if len(args) > 2 else kwargs.get("reduce")
+            if (
+                reduce in _REDUCES
+                and isinstance(other, torch.Tensor)
+                and other.layout == torch.strided
+                and other.dim() == 2
+                and other.requires_grad
+                and torch.is_grad_enabled()
+            ):
+                return _CsrSpmmReduce.apply(self.adj, other, reduce)
+        return func(*args, **kwargs)
 
 
 def register_message_passing_impl() -> Impl | None:

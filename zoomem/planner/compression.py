@@ -120,10 +120,11 @@ def get_level(level: str | Level) -> Level:
 
 
 def eligible(infos: list[SavedInfo]) -> list[SavedInfo]:
-    """Tensors that may be quantized: eligible by type and size, and with a measured effect on the gradient
-    (C_s == 0 means the gradient uses the tensor only through comparisons, which a first-order estimate cannot
-    see: such a tensor stays exact)."""
-    return [s for s in infos if s.lossy is None and s.sensitivity > 0]
+    """Tensors that may be quantized. A tensor whose C_s is zero has no effect on this step's gradient (timm's
+    ResNet blocks start with a zero BatchNorm weight, so nothing flows through their branch): it gets the fewest
+    bits until a refresh measures an effect. Tensors read through comparisons or reciprocals were already
+    excluded by the probe."""
+    return [s for s in infos if s.lossy is None]
 
 
 def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0) -> dict[str, int]:
@@ -135,7 +136,7 @@ def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0
     """
     if not level.lossy:
         return {}
-    cands = eligible(infos) if level.adaptive else [s for s in infos if s.lossy is None]
+    cands = eligible(infos)
     if level.bits is not None:
         return {s.key: level.bits for s in cands}
     if not cands:
@@ -145,7 +146,7 @@ def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0
     from .solve import _solver, solve
 
     total = sum(s.numel for s in cands)
-    scale = max(s.sensitivity for s in cands)
+    scale = max(max(s.sensitivity for s in cands), 1e-30)
     prob = pulp.LpProblem("zoomem_bits", pulp.LpMinimize)
     x = {(s.key, b): pulp.LpVariable(f"b_{i}_{b}", cat=pulp.LpBinary) for i, s in enumerate(cands) for b in BITS}
     for s in cands:

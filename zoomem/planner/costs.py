@@ -246,15 +246,21 @@ class CostModel:
 
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
         """Bytes a bit assignment takes off each memory point: a tensor saved in segment k is held packed at
-        every point after k (during k itself it is being saved, then unpacked: counted whole)."""
+        every point after k's forward, and during k's own backward too, less one dequantized tensor at a time
+        (backward unpacks the tensors of one op at once); during k's forward it counts whole."""
         out = np.zeros(len(self.points))
         if not bits:
             return out
         seg = np.array([p.seg for p in self.points])
+        in_backward = np.array([p.phase != "forward" for p in self.points])
+        transient: dict[int, int] = {}
         for s, k in zip(self.saved, self.saved_seg):
             b = bits.get(s.key)
             if b:
-                out += (seg > k) * (s.nbytes - s.packed_nbytes(b))
+                out += ((seg > k) | ((seg == k) & in_backward)) * (s.nbytes - s.packed_nbytes(b))
+                transient[k] = max(transient.get(k, 0), s.nbytes)
+        for k, t in transient.items():
+            out -= ((seg == k) & in_backward) * t
         return out
 
     def compress_time(self, bits: dict[str, int]) -> float:

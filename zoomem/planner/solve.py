@@ -130,7 +130,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     exists only if the unit it is saved in keeps its tensors, and its storage is freed only if no recomputed unit
     holds it as an input, so ``q[s, b] <= keep`` of both; it takes ``nbytes - packed(b)`` off every point after its
     segment and adds its (de)quantization time plus the variance term ``C_s / (2**b - 1)**2`` (DESIGN.md section 4)
-    to the objective. In compression modes the compact implementations are always on (they are exact).
+    to the objective. In compression modes every kept unit runs its compact implementations (they are exact).
     """
     import pulp
 
@@ -153,9 +153,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     for i, u in enumerate(model.units):
         if u in model.compact_saving:
             c[u] = pulp.LpVariable(f"c_{i}", 0, 1, cat)
-            if compress is not None:  # exact forms, always on in compression modes (the probe saw them on)
-                prob += c[u] == 1
-                y[u], z[u] = x[u, Decision.KEEP], 1 - x[u, Decision.KEEP]
+            if compress is not None:  # compression modes: on exactly in kept units (the probe saw them on there)
+                prob += c[u] == x[u, Decision.KEEP]
+                y[u], z[u] = x[u, Decision.KEEP], 0
                 continue
             y[u] = pulp.LpVariable(f"y_{i}", 0, 1)
             z[u] = pulp.LpVariable(f"z_{i}", 0, 1)
@@ -196,6 +196,13 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 vs.append(v)
             prob += pulp.lpSum(vs) <= 1
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
+    # during segment k's backward its packed tensors are unpacked one op at a time: one dequantized copy at most
+    unpacked: dict[int, pulp.LpVariable] = {}
+    for (key, b), v in q.items():
+        s, k = by_key[key]
+        if k not in unpacked:
+            unpacked[k] = pulp.LpVariable(f"u_{k}", 0)
+        prob += unpacked[k] >= s.nbytes * v
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for p in model.points:
         expr = p.measured + pulp.lpSum(k * (h[s.sid] - int(s.base_held)) for s, k in model._coefficients(p))
@@ -208,10 +215,12 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 expr -= gain_keep * y[u] + gain_rec * z[u]
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
-        gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b))
-                 for (key, b), v in q.items() if p.seg > by_key[key][1]]
+        gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()
+                 if p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase != "forward")]
         if gains:
             expr -= pulp.lpSum(gains)
+            if p.phase != "forward" and p.seg in unpacked:
+                expr += unpacked[p.seg]
         prob += expr <= (peak if peak is not None else limit - model.fixed_bytes)
     time_cost = pulp.lpSum(
         x[u, d] * (model.recompute_s[u] if d == Decision.RECOMPUTE else model.recompute_cheap_s[u])

@@ -62,6 +62,15 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
         seen.add(id(node))
         stack.extend(n for n, _ in node.next_functions)
         name = type(node).__name__
+        own = getattr(node, "exact_reads", None)  # zoomem's own Functions declare theirs (indices of saved_tensors)
+        if own:
+            tensors = node.saved_tensors
+            for i in own:
+                key = by_id.get(ident(tensors[i]))
+                if key is not None and store.infos[key].lossy is None:
+                    store.infos[key].lossy = f"read through a comparison ({name})"
+                    marked += 1
+            continue
         if name not in EXACT_READS:
             continue
         attrs = EXACT_READS[name]

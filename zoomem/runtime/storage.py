@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..compress.quantize import Quantized, dequantize, quantize
+from ..ops.functional import separate_masks
 from ..planner.compression import SavedInfo
 
 __all__ = ["SavedTensorStore", "lossy_reason", "MIN_NUMEL"]
@@ -142,7 +143,7 @@ class SavedTensorStore:
         so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._bases = "<stem>", {}, {}, {}, {}
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), separate_masks():
                 yield self
         finally:
             self.packed_nbytes = sum(p.quantized.nbytes for _, p, _ in self._seen.values() if p.quantized is not None)
@@ -155,16 +156,20 @@ class SavedTensorStore:
         strided = t.layout == torch.strided
         ident = (_ptr(t), t.storage_offset() if strided else 0, tuple(t.shape), t.stride() if strided else (),
                  t.dtype, t.device)
-        hit = self._seen.get(ident)
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        view = self._view_of_packed(t) if strided else None
-        if view is not None:  # another view (a transpose) of a tensor already stored: store it once
-            return view
+        # every save gets a key, duplicates included: a key must not depend on whether another region (a unit
+        # that may be recomputed) saved the same tensor first
         region = self._region
         k = self._counts.get(region, 0)
         self._counts[region] = k + 1
         key = f"{region}#{k}"
+        hit = self._seen.get(ident)
+        first = hit[2] if hit is not None and hit[0]() is t else None
+        view = None if first is not None or not strided else self._view_of_packed(t)
+        if first is not None or view is not None:  # the same tensor, or a view (a transpose) of one: stored once
+            if self.record:
+                base = first or view.view_of[0].key  # type: ignore[union-attr]
+                self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
+            return hit[1] if first is not None else view  # type: ignore[index,return-value]
         packed = _Packed(t, key=key, store=self) if self.record else _Packed(t)
         bits = self.bits.get(key)
         reason = lossy_reason(t, self.min_numel) if (bits or self.record) else "not asked"

@@ -124,7 +124,8 @@ class _Handle:
         sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
         cached = self.plans.get(sig)
         if cached is not None:
-            if self.sensitivity_interval and sig in self.planning and self.steps % self.sensitivity_interval == 0:
+            if (self.sensitivity_interval and sig in self.planning and self.steps
+                    and self.steps % self.sensitivity_interval == 0):
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
             return cached
         self.busy = True
@@ -265,9 +266,11 @@ def _make(
 
 
 def _set_compact(plan: Plan, units: frozenset[str]) -> None:
-    """Compression modes run every unit's exact compact forms (the probe enumerated tensors with them on)."""
+    """Compression modes run the exact compact forms of every kept unit (the probe enumerated its tensors with
+    them on; a recomputed unit's tensors never reach the store, and selective recomputation must not see the
+    compact forms' in-place outputs)."""
     for u in plan.units:
-        u.compact = u.name in units
+        u.compact = u.name in units and u.decision == Decision.KEEP
 
 
 def _level_plan(costs: CostModel, infos: list[SavedInfo], level: Level, chosen_units: frozenset[str],
