@@ -23,12 +23,15 @@ terms of nonlinear backward formulas (LayerNorm's input) make the estimate conse
 from __future__ import annotations
 
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .quantize import GROUP_SIZE, _grouped
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Sensitivity", "estimate_sensitivity", "empirical_variance", "predicted_variance"]
 
@@ -39,6 +42,14 @@ class Sensitivity:
 
     per_tensor: dict[str, float]
     grad_sq: float
+    measured: bool = True  # False: a value-range proxy (the model has an op without a double backward)
+
+
+def _range_proxy(saved: Mapping[str, torch.Tensor], range_sq: dict[str, torch.Tensor], grad_sq: float) -> dict[str, float]:
+    """C_s as if every element's derivative norm were equal (scaled so the sum over elements is ||g||^2)."""
+    numel = sum(t.numel() for t in saved.values()) or 1
+    return {key: float(range_sq[key].sum()) * 256 / 6 * grad_sq / numel if key in range_sq else 0.0
+            for key in saved}
 
 
 def _group_range_sq(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -103,6 +114,12 @@ def estimate_sensitivity(
         try:
             if probe.requires_grad:
                 torch.autograd.grad(probe, [p for p, _ in pairs], retain_graph=i < samples - 1, allow_unused=True)
+        except RuntimeError as e:  # an op without a double-backward formula (CPU flash attention)
+            if "derivative for" not in str(e) and "not implemented" not in str(e):
+                raise
+            logger.warning("zoomem: sensitivities cannot be measured on this model (%s); bits follow each "
+                           "tensor's value range instead", str(e).splitlines()[0][:160])
+            return Sensitivity(_range_proxy(saved, range_sq, grad_sq), grad_sq, measured=False)
         finally:
             for h in handles:
                 h.remove()

@@ -33,6 +33,7 @@ class SavedInfo:
     lossy: str | None  # None: may be quantized; else why it must stay exact
     sensitivity: float = 0.0  # C_s
     input_of: tuple[str, ...] = ()  # units (other than its region) that take this tensor as input
+    measured: bool = True  # False: C_s is a value-range proxy (the model has an op without a double backward)
 
     @property
     def numel(self) -> int:
@@ -139,6 +140,10 @@ def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0
     cands = eligible(infos)
     if level.bits is not None:
         return {s.key: level.bits for s in cands}
+    if any(not s.measured for s in cands):  # no real sensitivities: the widest fixed bits within the average
+        bits = max(b for b in BITS if b <= level.avg_bits)  # type: ignore[operator]
+        logger.warning("zoomem: %s without measured sensitivities: every eligible tensor in %d bits", level.name, bits)
+        return {s.key: bits for s in cands}
     if not cands:
         return {}
     import pulp

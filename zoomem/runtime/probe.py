@@ -155,6 +155,7 @@ def probe_saved(
             result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator)
             for key, c in _all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
+                store.infos[key].measured = result.measured
             grad_sq = result.grad_sq
         del out, loss
     infos = list(store.infos.values())
