@@ -194,7 +194,9 @@ timm's synset list (e.g. the last fish, ``n02665250`` hogchoker, is followed by 
 
 _TEXT_LEN = 32
 _TEXT_TRAIN_EVERY = 1
+_TEXT_MIN_COUNT = 2
 _TEXT_HIDDEN = 64
+_TEXT_DROPOUT = 0.1
 _PAD, _UNK, _CLS = 0, 1, 2
 _WORD = re.compile(r"[a-z]+|[0-9]+")
 
@@ -215,7 +217,7 @@ def _text() -> TaskData:
             if i % 5 and (i // 5) % _TEXT_TRAIN_EVERY:
                 texts.pop(), labels.pop(), test.pop()
     counts = Counter(w for words, t in zip(texts, test) if not t for w in words)
-    vocab = {w: i + 3 for i, w in enumerate(sorted(w for w, n in counts.items() if n >= 2))}  # 0 pad, 1 unk, 2 cls
+    vocab = {w: i + 3 for i, w in enumerate(sorted(w for w, n in counts.items() if n >= _TEXT_MIN_COUNT))}  # 0 pad, 1 unk, 2 cls
     ids = torch.full((len(texts), _TEXT_LEN), _PAD, dtype=torch.long)
     for row, words in enumerate(texts):
         tokens = [_CLS] + [vocab.get(w, _UNK) for w in words][: _TEXT_LEN - 1]
@@ -235,6 +237,8 @@ def _build_text(data: TaskData) -> nn.Module:
         num_attention_heads=2,
         intermediate_size=4 * _TEXT_HIDDEN,
         max_position_embeddings=_TEXT_LEN,
+        hidden_dropout_prob=_TEXT_DROPOUT,
+        attention_probs_dropout_prob=_TEXT_DROPOUT,
         num_labels=data.num_classes,
     )
     return model

@@ -50,9 +50,13 @@ class _Held:
 
 
 def measure_timeline(
-    model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit]
+    model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
+    saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
 ) -> list[SegmentStat]:
     """Run one plain training step of ``model`` and return its segments in execution order.
+
+    The step's own saved-tensor hooks (they mark where backward crosses a unit) sit innermost, so a runtime
+    that stores saved tensors in its own form passes its ``(pack, unpack)`` as ``saved_hooks`` to be measured.
 
     What the step changes is put back afterwards: gradients, buffers (BatchNorm statistics), the RNG state.
     Returns an empty list, with a log line, when a profiler or :class:`MemoryMeter` is already running.
@@ -71,7 +75,7 @@ def measure_timeline(
         for p in params:
             p.grad = None
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return _measure(model, batch, loss_fn, units)
+            return _measure(model, batch, loss_fn, units, saved_hooks)
     finally:
         with torch.no_grad():
             for b, old in zip(buffers, saved):
@@ -81,7 +85,8 @@ def measure_timeline(
 
 
 def _measure(
-    model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit]
+    model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
+    saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
 ) -> list[SegmentStat]:
     n = len(units)
     head = n + 1
@@ -103,14 +108,16 @@ def _measure(
         mark(k, "forward")
         state["seg"], state["inside"] = (k if k < n else head), False
 
+    inner_pack, inner_unpack = saved_hooks or (None, None)
+
     def pack(t: torch.Tensor) -> Any:
-        return _Held(t, state["seg"])
+        return _Held(inner_pack(t) if inner_pack else t, state["seg"])
 
     def unpack(h: Any) -> torch.Tensor:
         if h.seg != state["bseg"]:
             mark(state["bseg"], "backward")
             state["bseg"] = h.seg
-        return h.tensor
+        return inner_unpack(h.tensor) if inner_unpack else h.tensor
 
     handles = []
     for u in units:

@@ -117,8 +117,8 @@ class SavedTensorStore:
     """Bytes the quantized forms of the last forward held."""
     _region: str = "<stem>"
     _counts: dict[str, int] = field(default_factory=dict)
-    _seen: dict[tuple, tuple[weakref.ref, _Packed, str]] = field(default_factory=dict)
-    _bases: dict[tuple, list[tuple[weakref.ref, _Packed, int, int]]] = field(default_factory=dict)
+    _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
+    _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ regions
@@ -146,7 +146,8 @@ class SavedTensorStore:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), separate_masks():
                 yield self
         finally:
-            self.packed_nbytes = sum(p.quantized.nbytes for _, p, _ in self._seen.values() if p.quantized is not None)
+            packed = [ref() for _, ref, _ in self._seen.values()]
+            self.packed_nbytes = sum(p.quantized.nbytes for p in packed if p is not None and p.quantized is not None)
             self._seen, self._input_ptrs, self._bases = {}, {}, {}
             if not self.record:
                 self.tensors = {}
@@ -163,13 +164,13 @@ class SavedTensorStore:
         self._counts[region] = k + 1
         key = f"{region}#{k}"
         hit = self._seen.get(ident)
-        first = hit[2] if hit is not None and hit[0]() is t else None
-        view = None if first is not None or not strided else self._view_of_packed(t)
-        if first is not None or view is not None:  # the same tensor, or a view (a transpose) of one: stored once
+        earlier = hit[1]() if hit is not None and hit[0]() is t else None
+        view = None if earlier is not None or not strided else self._view_of_packed(t)
+        if earlier is not None or view is not None:  # the same tensor, or a view (a transpose) of one: stored once
             if self.record:
-                base = first or view.view_of[0].key  # type: ignore[union-attr]
+                base = hit[2] if earlier is not None else view.view_of[0].key  # type: ignore[union-attr,index]
                 self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
-            return hit[1] if first is not None else view  # type: ignore[index,return-value]
+            return earlier if earlier is not None else view  # type: ignore[return-value]
         packed = _Packed(t, key=key, store=self) if self.record else _Packed(t)
         bits = self.bits.get(key)
         reason = lossy_reason(t, self.min_numel) if (bits or self.record) else "not asked"
@@ -183,10 +184,12 @@ class SavedTensorStore:
             self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, t.numel() * t.element_size(), reason)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
-        self._seen[ident] = (weakref.ref(t), packed, key)
+        # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
+        # tensor) alive after backward used them
+        self._seen[ident] = (weakref.ref(t), weakref.ref(packed), key)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
             self._bases.setdefault((_ptr(t), t.dtype, t.device), []).append(
-                (weakref.ref(t), packed, t.storage_offset(), t.numel()))
+                (weakref.ref(t), weakref.ref(packed), t.storage_offset(), t.numel()))
         return packed
 
     def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
@@ -195,8 +198,9 @@ class SavedTensorStore:
             return None
         lo = t.storage_offset()
         hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        for ref, packed, offset, numel in self._bases.get((_ptr(t), t.dtype, t.device), ()):
-            if ref() is not None and offset <= lo and hi < offset + numel:
+        for ref, packed_ref, offset, numel in self._bases.get((_ptr(t), t.dtype, t.device), ()):
+            packed = packed_ref()
+            if ref() is not None and packed is not None and offset <= lo and hi < offset + numel:
                 return _Packed(None, view_of=(packed, tuple(t.shape), tuple(t.stride()), lo - offset))
         return None
 

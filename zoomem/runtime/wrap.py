@@ -321,8 +321,10 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
     """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
     previous, handle.active = handle.active, handle.active_for(candidate)
     try:
-        with handle.active.hooks():
-            timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units)
+        store = handle.active.store
+        with handle.active.hooks():  # the store's state for this forward; the timeline's hooks call into it
+            timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units,
+                                        saved_hooks=(store._pack, store._unpack) if store is not None else None)
     finally:
         handle.active = previous
     return fixed + max(t.peak_bytes for t in timeline) if timeline else None
