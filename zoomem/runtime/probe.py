@@ -22,6 +22,7 @@ from ..batch import Batch
 from ..compress.sensitivity import estimate_sensitivity
 from ..planner.compression import SavedInfo
 from .storage import SavedTensorStore
+from .units import _restore_buffers
 
 __all__ = ["probe_saved", "EXACT_READS"]
 
@@ -116,15 +117,8 @@ def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
 def _no_trace(model: nn.Module) -> Iterator[None]:
     """Restore RNG streams and buffers afterwards: the probe must not change the training run."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    buffers = [b for b in model.buffers() if b is not None]
-    saved = [b.detach().clone() for b in buffers]
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, old in zip(buffers, saved):
-                    b.copy_(old)
+    with torch.random.fork_rng(devices=devices), _restore_buffers(model):
+        yield
 
 
 def probe_saved(
