@@ -24,6 +24,17 @@ feasibility figure, not an overhead measure).
 
     python scripts/bench.py sweep [--quick] [--models ID ...] [--steps 5] [--out benchmarks/sweep.json]
         [--plot benchmarks/sweep.png] [--markdown]
+
+- ``compress``: activation compression, per model (:data:`COMPRESS_SIZES`), all in one process: plain PyTorch,
+  every level ``L0`` .. ``L3`` (``zoomem.wrap(level=...)``), and at budgets of 90..30% of PyTorch's peak (plus the
+  minimum feasible one) lossless planning (``wrap(budget=...)``) and the combined mode (``wrap(budget=...,
+  compress="auto")``). The model is wrapped once; every other plan comes from ``zoomem.plan`` on it and is put in
+  the wrap's plan cache while it runs. Reports activation bytes against PyTorch's (the issue's goals: >= 8x at
+  L2.2, >= 6x at L2), measured peaks, step-time overheads (interleaved, medians, one torch thread by default), and
+  per budget and per overhead cap whether the combined mode gets lower than either alone.
+
+    python scripts/bench.py compress [--quick] [--models ID ...] [--levels L ...] [--fractions F ...] [--steps 3]
+        [--out benchmarks/compress.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -525,6 +536,51 @@ class _Alarm:
             signal.signal(signal.SIGALRM, self._old)
 
 
+def _time_interleaved(methods: Sequence[_Method], batch: Any, warmup: int, steps: int,
+                      say: Callable[[str], None]) -> list[float]:
+    """Time ``methods`` interleaved: one training step of each per round, the order rotated every round, the
+    first ``warmup`` rounds untimed; appends to each method's ``times``/``cpu_times``; returns the load average
+    after each round."""
+    rounds = warmup + steps
+    load: list[float] = []
+    for r in range(rounds):
+        order = list(methods[r % len(methods):]) + list(methods[: r % len(methods)])
+        for m in order:
+            m.enter()
+            try:
+                t, c = time.perf_counter(), time.process_time()
+                _train_step(m.model, batch, m.loss_fn, m.optimizer)
+                dt, dc = time.perf_counter() - t, time.process_time() - c
+            finally:
+                m.leave()
+            if r >= warmup:
+                m.times.append(dt)
+                m.cpu_times.append(dc)
+        load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
+        say(f"round {r + 1}/{rounds} done, load average {load[-1]:.2f}" + (" (warm-up)" if r < warmup else ""))
+    return load
+
+
+def _meter_each(methods: Sequence[_Method], batch: Any) -> None:
+    """One more step of each method under ``measure_step``, into its ``report``."""
+    import gc
+
+    from zoomem.measure import measure_step
+
+    for m in methods:
+        gc.collect()
+        m.enter()
+        try:
+            m.report = measure_step(m.model, batch, m.loss_fn, m.optimizer)
+        finally:
+            m.leave()
+
+
+def _exc_text(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 300 characters."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
 def _compile_method(model: Any, adapter: Any, batch: Any, budget: float, timeout: float) -> _Method:
     """``torch.compile`` of a copy of the model under ``activation_memory_budget``, compiled (first step) now."""
     import copy
@@ -557,7 +613,7 @@ def _compile_method(model: Any, adapter: Any, batch: Any, budget: float, timeout
             _train_step(compiled, batch, loss_fn, opt)  # compiles forward and backward
             _train_step(compiled, batch, loss_fn, opt)  # the first step may recompile once (optimizer state)
     except Exception as exc:  # noqa: BLE001 - any failure is a result: "did not run"
-        m.error = f"did not run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        m.error = f"did not run: {_exc_text(exc)}"
         logger.warning("torch.compile on %s: %s", type(model).__name__, m.error)
     m.info["compile_s"] = time.perf_counter() - t0
     m.info["activation_memory_budget"] = budget
@@ -591,7 +647,6 @@ def sweep_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
 
     import zoomem
     from zoomem import zoo
-    from zoomem.measure import measure_step
 
     def say(msg: str) -> None:
         (bar.write if bar is not None else print)(f"{model_id}: {msg}", file=sys.stderr)
@@ -676,34 +731,9 @@ def sweep_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
         compile_m = None
         compile_note = f"not tried (the sweep tries torch.compile on {', '.join(args.compile_models) or 'no model'})"
 
-    # -- interleaved timing: one step of each method per round, order rotated every round --
     runnable = [m for m in methods if m.error is None]
-    rounds = args.warmup + args.steps
-    load: list[float] = []
-    for r in range(rounds):
-        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)]
-        for m in order:
-            m.enter()
-            try:
-                t, c = time.perf_counter(), time.process_time()
-                _train_step(m.model, batch, m.loss_fn, m.optimizer)
-                dt, dc = time.perf_counter() - t, time.process_time() - c
-            finally:
-                m.leave()
-            if r >= args.warmup:
-                m.times.append(dt)
-                m.cpu_times.append(dc)
-        load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
-        say(f"round {r + 1}/{rounds} done, load average {load[-1]:.2f}" + (" (warm-up)" if r < args.warmup else ""))
-
-    # -- memory: one metered step of each method --
-    for m in runnable:
-        gc.collect()
-        m.enter()
-        try:
-            m.report = measure_step(m.model, batch, m.loss_fn, m.optimizer)
-        finally:
-            m.leave()
+    load = _time_interleaved(runnable, batch, args.warmup, args.steps, say)
+    _meter_each(runnable, batch)
 
     ref = methods[0]
     ref_time = _median(ref.times)
@@ -958,13 +988,18 @@ def sweep_table(result: dict[str, Any], markdown: bool) -> str:
             "—" if pred is None else _mib(pred), _fmt_overhead(m["overhead"]),
             f"{m['solve_s']:.2f}" if "solve_s" in m else "—",
         ])
+    return _grid(heads, cells, markdown)
+
+
+def _grid(heads: Sequence[str], cells: Sequence[Sequence[str]], markdown: bool, left: int = 2) -> str:
+    """A table: markdown, or aligned text; the first ``left`` columns left-aligned, the others right-aligned."""
     if markdown:
-        lines = ["| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2)]
+        lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * left + "---:|" * (len(heads) - left)]
         lines += ["| " + " | ".join(c) + " |" for c in cells]
         return "\n".join(lines)
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
     fmt = lambda row: "  ".join(  # noqa: E731
-        (v.ljust(w) if i < 2 else v.rjust(w)) for i, (v, w) in enumerate(zip(row, widths))
+        (v.ljust(w) if i < left else v.rjust(w)) for i, (v, w) in enumerate(zip(row, widths))
     )
     return "\n".join([fmt(heads), fmt(["-" * w for w in widths])] + [fmt(c) for c in cells])
 
@@ -1092,21 +1127,57 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     plt.close(fig)
 
 
+def _known_models(models: Sequence[str], known: Any, quick: bool, what: str) -> bool:
+    """Whether every id has a size (or, with ``--quick``, a ``zoo.small`` variant); says which do not."""
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        print(f"bench: no {'small variant' if quick else what} for {unknown}; known: {', '.join(known)}",
+              file=sys.stderr)
+    return not unknown
+
+
+def _run_models(models: Sequence[str], one: Callable[..., dict[str, Any]], args: argparse.Namespace,
+                desc: str, after_each: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """``one(model_id, args, bar)`` for each model under a tqdm bar; a failing model becomes an error row;
+    ``after_each(results so far)`` after each model."""
+    from tqdm import tqdm
+
+    results: list[dict[str, Any]] = []
+    bar = tqdm(models, desc=desc, unit="model", file=sys.stderr, dynamic_ncols=True)
+    for model_id in bar:
+        bar.set_postfix_str(model_id)
+        tm = time.perf_counter()
+        try:
+            r = one(model_id, args, bar)
+        except Exception as exc:  # noqa: BLE001 - one failing model must not lose the others' numbers
+            logger.exception("%s failed", model_id)
+            r = {"id": model_id, "error": f"{type(exc).__name__}: {exc}"}
+        r["wall_s"] = time.perf_counter() - tm
+        results.append(r)
+        if after_each is not None:
+            after_each(results)
+    bar.close()
+    return results
+
+
+def _print_run_head(command: str, machine: dict[str, Any], started: _dt.datetime, wall: float,
+                    markdown: bool) -> None:
+    if markdown:
+        print(f"`{command}` on {_machine_line(machine)}, {started:%Y-%m-%d}, {wall:.0f} s in all:\n")
+    else:
+        print(f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d %H:%M} UTC, {wall:.0f} s in all\n")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     import tempfile
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zoomem-bench-inductor-"))
     import torch
-    from tqdm import tqdm
 
     from zoomem import zoo
 
     models = args.models or list(SWEEP_SIZES)
-    known = zoo.SMALL if args.quick else SWEEP_SIZES
-    unknown = [m for m in models if m not in known]
-    if unknown:
-        print(f"bench: no {'small variant' if args.quick else 'sweep size'} for {unknown}; known: {', '.join(known)}",
-              file=sys.stderr)
+    if not _known_models(models, zoo.SMALL if args.quick else SWEEP_SIZES, args.quick, "sweep size"):
         return 2
     if args.quick:
         args.steps = min(args.steps, 2)
@@ -1117,19 +1188,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     git_info = _git_info()  # at the start: the code the run imports
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    results: list[dict[str, Any]] = []
-    bar = tqdm(models, desc="sweep", unit="model", file=sys.stderr, dynamic_ncols=True)
-    for model_id in bar:
-        bar.set_postfix_str(model_id)
-        tm = time.perf_counter()
-        try:
-            r = sweep_one(model_id, args, bar)
-        except Exception as exc:  # noqa: BLE001 - one failing model must not lose the others' numbers
-            logger.exception("%s failed", model_id)
-            r = {"id": model_id, "error": f"{type(exc).__name__}: {exc}"}
-        r["wall_s"] = time.perf_counter() - tm
-        results.append(r)
-    bar.close()
+    results = _run_models(models, sweep_one, args, "sweep")
     solve: list[dict[str, Any]] = []
     if not args.quick and not args.skip_solve:
         solve = solve_section(args.solve_models, args)
@@ -1174,10 +1233,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         title = f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d}"
         plot_sweep(results, Path(args.plot), title)
         logger.info("wrote %s", args.plot)
-    if args.markdown:
-        print(f"`{command}` on {_machine_line(machine)}, {started:%Y-%m-%d}, {wall:.0f} s in all:\n")
-    else:
-        print(f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d %H:%M} UTC, {wall:.0f} s in all\n")
+    _print_run_head(command, machine, started, wall, args.markdown)
     for r in results:
         print(("#### " if args.markdown else "") + _model_head(r) + "\n")
         if "error" not in r:
@@ -1187,6 +1243,601 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(solve_table(solve, args.markdown) + "\n")
     print(targets_text(targets))
     return 1 if any("error" in r for r in results) or any("error" in s for s in solve) else 0
+
+
+# -- compress: GACT-style levels, and compression planned with recomputation -----------------------------------------
+
+COMPRESS_SIZES: dict[str, BenchSize] = {
+    "timm/resnet50": BenchSize(4, _IMG224),
+    "hf/bert-base-uncased": BenchSize(2, {"seq_len": 512}, {"num_hidden_layers": 2}),
+    "hf/gpt2": BenchSize(2, {"seq_len": 256}, {"n_layer": 2}),
+    "timm/vit_tiny_patch16_224": BenchSize(8, _IMG224),
+    "pyg/gcn": _GRAPH20K,
+    "pyg/gat": _GRAPH20K,
+}
+"""Default ``compress`` sizes. Each model is planned about 15 times (every plan traces the step and, when lossy,
+probes the sensitivities again) and stepped at every level and budget, so a plain step takes 1-2 s here (one
+torch thread). Activations are a quarter to three quarters of plain PyTorch's forward+backward peak at these
+sizes (parameters with AdamW's state and gradients are most of the rest; the GCN's peak is message passing's
+scratch). The two HF layouts keep 2 of their 12 layers (hidden sizes, heads, vocabularies as released)."""
+
+COMPRESS_LEVELS = ("L0", "L1.1", "L1", "L1.2", "L2", "L2.1", "L2.2", "L3")
+"""The levels measured, in the order of the tables (``zoomem.LEVELS``)."""
+COMPRESS_FRACTIONS = (0.9, 0.7, 0.5, 0.3)
+"""Budgets of the combined-mode comparison, as fractions of plain PyTorch's forward+backward peak."""
+QUICK_COMPRESS_FRACTIONS = (0.8, 0.5)
+COMPRESS_GOALS = {"L2.2": 8.0, "L2": 6.0}
+"""The issue's goals: plain PyTorch's activation bytes over the level's, at least this."""
+OVERHEAD_CAPS = (1.10, 1.25, 1.5, 2.0, 3.0, None)
+COMBINED_MARGIN = 0.01
+"""A peak counts as lower than another only by more than this fraction of plain PyTorch's peak."""
+"""Overhead caps at which the three modes' lowest measured peaks are compared (``None``: any overhead)."""
+_WRAP_LEVEL = "L2"
+"""The level the model is wrapped with first (installs zoomem's forwards and every compact implementation)."""
+_MODES = {"lossless": "lossless `wrap(budget=...)`", "alone": "compression alone (cheapest fitting level)",
+          "combined": "`wrap(budget=..., compress=\"auto\")`"}
+
+
+def _level_text(name: str) -> str:
+    import zoomem
+
+    lv = zoomem.LEVELS[name]
+    if lv.bits is not None:
+        what = f"{lv.bits} bits"
+    elif lv.avg_bits is not None:
+        what = f"adaptive, {lv.avg_bits:g} bits avg"
+    else:
+        what = "nothing lossy"
+    return f"{name} ({what}{', offload' if lv.offload else ''})"
+
+
+def _compress_info(plan: Any) -> dict[str, Any]:
+    """:func:`_plan_info` plus what the plan stores lossily (from ``plan.bits`` and ``plan.saved``)."""
+    from collections import Counter
+
+    info = _plan_info(plan)
+    sizes = {d["key"]: d["nbytes"] for d in plan.saved}
+    lossy_bytes = sum(sizes.get(k, 0) for k in plan.bits)
+    by_bits: Counter[int] = Counter()
+    for k, b in plan.bits.items():
+        by_bits[b] += sizes.get(k, 0)
+    exact = Counter("duplicate of another saved tensor (stored once)" if d["lossy"].startswith("duplicate of ")
+                    else d["lossy"] for d in plan.saved if d["lossy"])
+    exact["eligible, zero measured sensitivity"] = sum(
+        1 for d in plan.saved if not d["lossy"] and not d.get("sensitivity"))
+    measured = plan.extras.get("measured_peak_bytes")
+    info.update({
+        "level": plan.level,
+        "compact_units": sum(bool(u.compact) for u in plan.units),
+        "saved_tensors": len(plan.saved),
+        "saved_mib": sum(sizes.values()) / MIB,
+        "lossy_tensors": len(plan.bits),
+        "lossy_mib": lossy_bytes / MIB,
+        "avg_bits": sum(b * n for b, n in by_bits.items()) / lossy_bytes if lossy_bytes else None,
+        "lossy_mib_by_bits": {str(b): n / MIB for b, n in sorted(by_bits.items())},
+        "exact_tensors_by_reason": {k: v for k, v in exact.items() if v},
+        "predicted_variance": plan.variance,
+        "offload": plan.offload,
+        "verified_peak_mib": None if measured is None else measured / MIB,
+    })
+    return info
+
+
+def _cache_switch(handle: Any, sig: Any, plan: Any):
+    """``enter``/``leave`` that put ``plan`` in the wrapped model's plan cache (what its next forward runs)."""
+
+    def enter() -> None:
+        handle.plans[sig] = plan
+
+    def leave() -> None:
+        if len(handle.plans) != 1 or handle.plans.get(sig) is not plan:
+            raise RuntimeError("zoomem planned again inside the benchmark (the batch signature changed?)")
+
+    return enter, leave
+
+
+def _disabled_switch(model: Any):
+    """``enter``/``leave`` for plain PyTorch on a wrapped model (``zoomem.disabled``: the original forwards)."""
+    import zoomem
+
+    ctx: list[Any] = []
+
+    def enter() -> None:
+        ctx.append(zoomem.disabled(model))
+        ctx[-1].__enter__()
+
+    def leave() -> None:
+        ctx.pop().__exit__(None, None, None)
+
+    return enter, leave
+
+
+def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[str, Any]:
+    """Every level and every budget (lossless and combined) of one model in this process: plan each through
+    zoomem's public API on one wrapped model, then time them interleaved and meter one step each."""
+    import gc
+
+    import torch
+
+    import zoomem
+    from zoomem import zoo
+    from zoomem.planner import parse_budget
+
+    def say(msg: str) -> None:
+        (bar.write if bar is not None else print)(f"{model_id}: {msg}", file=sys.stderr)
+
+    spec = _spec_of(model_id, args.quick, COMPRESS_SIZES)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, adapter = zoo.build(model_id, **spec.overrides)
+    batch = adapter.example_batch(model, spec.batch_size, **spec.sizes)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=args.foreach)
+
+    def loss_fn(output: Any, b: Any) -> Any:
+        return adapter.loss(model, b, output)
+
+    _train_step(model, batch, loss_fn, optimizer)  # creates AdamW's state: every later step is a steady one
+    build_s = time.perf_counter() - t0
+    common = dict(adapter=adapter, optimizer=optimizer, loss_fn=loss_fn, time_limit=args.time_limit)
+
+    # -- plans (before any timing), all on one wrapped model: each method puts its plan in the wrap's cache --
+    wrap_level, wrap_error = _WRAP_LEVEL, None
+    t = time.perf_counter()
+    try:
+        zoomem.wrap(model, level=_WRAP_LEVEL, batch=batch, sensitivity_interval=0, **common)
+    except Exception as exc:  # noqa: BLE001 - a result: that level (and likely every lossy one) fails here
+        wrap_level, wrap_error = "L0", f"failed: {_exc_text(exc)}"
+        logger.debug("wrap(level=%s) of %s failed", _WRAP_LEVEL, model_id, exc_info=True)
+        say(f"zoomem.wrap(level={_WRAP_LEVEL!r}) {wrap_error}; wrapping with L0 (nothing lossy) instead")
+        t = time.perf_counter()
+        zoomem.wrap(model, level="L0", batch=batch, sensitivity_interval=0, **common)
+    wrap_s = time.perf_counter() - t
+    handle = model.__dict__["_zoomem"]
+    (sig, wrap_plan), = handle.plans.items()
+    baseline = wrap_plan.baseline_peak_bytes
+    say(f"wrapped with level {wrap_level} in {wrap_s:.1f} s; predicted PyTorch peak {baseline / MIB:.0f} MiB")
+
+    plain = _Method("pytorch", "plain PyTorch", "pytorch", model, optimizer, loss_fn)
+    plain.enter, plain.leave = _disabled_switch(model)
+    methods: list[_Method] = [plain]
+
+    def planned(m: _Method, make: Callable[[], Any]) -> _Method:
+        t = time.perf_counter()
+        try:
+            m.plan = make()
+        except zoomem.InfeasibleBudgetError as exc:
+            m.error = f"infeasible (min {exc.min_budget / MIB:.0f} MiB)"
+            m.info["min_budget_bytes"] = int(exc.min_budget)
+        except Exception as exc:  # noqa: BLE001 - a result: zoomem could not plan this method
+            m.error = f"failed: {_exc_text(exc)}"
+            logger.debug("%s %s failed", model_id, m.key, exc_info=True)
+        m.info["plan_s"] = time.perf_counter() - t
+        if m.plan is not None:
+            m.info.update(_compress_info(m.plan))
+            m.enter, m.leave = _cache_switch(handle, sig, m.plan)
+        methods.append(m)
+        say(f"{m.key}: " + (m.error or f"planned in {m.info['plan_s']:.1f} s, {m.info['lossy_tensors']} of "
+                              f"{m.info['saved_tensors']} saved tensors lossy, {m.info['recomputed']} of "
+                              f"{m.info['units']} units recomputed"))
+        return m
+
+    for name in args.levels:
+        m = _Method(name, _level_text(name), "level", model, optimizer, loss_fn)
+        if name == wrap_level:  # planned by the wrap itself
+            planned(m, lambda: wrap_plan).info["plan_s"] = wrap_s
+        elif name == _WRAP_LEVEL and wrap_error is not None:
+            m.error = wrap_error
+            methods.append(m)
+        else:
+            planned(m, lambda: zoomem.plan(model, batch, level=name, **common))
+
+    skipped: list[dict[str, Any]] = []
+    for mode, compress in (("lossless", None), ("combined", "auto")):
+        min_budget: int | None = None
+        for frac in args.fractions:
+            budget = parse_budget(frac, baseline_peak=baseline)
+            assert budget is not None
+            if min_budget is not None and budget < min_budget:  # lower budgets are infeasible too
+                skipped.append({"mode": mode, "budget": f"{frac:.0%}", "budget_frac": frac, "budget_bytes": budget,
+                                "min_budget_bytes": min_budget})
+                continue
+            m = _Method(f"{mode}@{frac:.0%}", _MODES[mode], mode, model, optimizer, loss_fn, budget=f"{frac:.0%}",
+                        budget_frac=frac)
+            m.info["budget_bytes"] = budget
+            planned(m, lambda: zoomem.plan(model, batch, frac, compress=compress, **common))
+            if "min_budget_bytes" in m.info:
+                min_budget = m.info["min_budget_bytes"]
+        if min_budget is None:
+            continue
+        for attempt in range(2):  # the minimum feasible budget; a plan that measures over it names a higher one
+            m = _Method(f"{mode}@min", _MODES[mode], mode, model, optimizer, loss_fn,
+                        budget=f"min ({min_budget / baseline:.0%})", budget_frac=min_budget / baseline)
+            m.info["budget_bytes"] = min_budget
+            planned(m, lambda: zoomem.plan(model, batch, min_budget, compress=compress, **common))
+            if "min_budget_bytes" not in m.info:  # planned, or failed for another reason
+                break
+            if attempt == 0:
+                methods.remove(m)
+                min_budget = max(m.info["min_budget_bytes"], int(min_budget * 1.001) + 1)
+
+    # -- interleaved timing, then one metered step each --
+    runnable = [m for m in methods if m.error is None]
+    load = _time_interleaved(runnable, batch, args.warmup, args.steps, say)
+    _meter_each(runnable, batch)
+
+    ref = plain
+    ref_time, ref_peak, ref_act = _median(ref.times), _fwd_bwd(ref.report), ref.report.activation_bytes
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m.key, "label": m.label, "kind": m.kind, "budget": m.budget,
+                               "budget_frac": m.budget_frac, **m.info}
+        if m.error is not None:
+            row["error"] = m.error
+        else:
+            rep = m.report
+            peak = _fwd_bwd(rep)
+            row.update({
+                "fwd_bwd_peak_mib": peak / MIB,
+                "pct_of_pytorch": 100.0 * peak / ref_peak,
+                "activation_mib": rep.activation_bytes / MIB,
+                "activation_ratio": ref_act / rep.activation_bytes if rep.activation_bytes > 0 else float("inf"),
+                "step_peak_mib": rep.peak_bytes / MIB,
+                "step_s": m.times,
+                "median_step_s": _median(m.times),
+                "step_cpu_s": m.cpu_times,
+                "cpu_overhead": _median(m.cpu_times) / _median(ref.cpu_times),
+                "overhead": _median(m.times) / ref_time,
+                "overhead_of_fastest": min(m.times) / min(ref.times),
+                "report": rep.to_dict(),
+            })
+        rows.append(row)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    result = {
+        "id": model_id,
+        "variant": "small" if args.quick else "compress",
+        "layers": _layers_note(model_id, spec, args.quick),
+        "batch_size": spec.batch_size,
+        "sizes": _sizes_of(batch, spec, model_id),
+        "overrides": spec.overrides,
+        "num_params": n_params,
+        "param_mib": _param_bytes(model) / MIB,
+        "build_s": build_s,
+        "wrap_level": wrap_level,
+        "wrap_error": wrap_error,
+        "wrap_s": wrap_s,
+        "predicted_pytorch_peak_mib": baseline / MIB,
+        "pytorch_median_step_s": ref_time,
+        "pytorch_peak_mib": ref_peak / MIB,
+        "pytorch_activation_mib": ref_act / MIB,
+        "load_average_per_round": load,
+        "skipped_budgets": skipped,
+        "methods": rows,
+    }
+    zoomem.unwrap(model)
+    del methods, runnable, plain, model, optimizer, handle, wrap_plan
+    gc.collect()
+    result["comparison"] = compare_modes(result)
+    return result
+
+
+def _point(m: dict[str, Any] | None) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    return {"method": m["method"], "peak_mib": m["fwd_bwd_peak_mib"], "overhead": m["overhead"]}
+
+
+def compare_modes(r: dict[str, Any]) -> dict[str, Any]:
+    """The combined mode against each alone: at every budget (lossless plan, cheapest level whose measured peak
+    fits, combined plan), and the lowest measured peak each mode reaches within each overhead cap."""
+    rows = _ok_rows(r)
+    by_key = {m["method"]: m for m in r["methods"]}
+    levels = [m for m in rows if m["kind"] == "level"]
+    points = {
+        "lossless": [m for m in rows if m["kind"] in ("pytorch", "lossless")],
+        "alone": levels,
+        "combined": [m for m in rows if m["kind"] == "combined"],
+    }
+
+    def fitting_level(budget: float) -> dict[str, Any] | None:
+        fits = [m for m in levels if m["fwd_bwd_peak_mib"] * MIB <= budget]
+        return min(fits, key=lambda m: m["overhead"]) if fits else None
+
+    skipped = {(s["mode"], s["budget"]): s for s in r["skipped_budgets"]}
+
+    def state(mode: str, suffix: str) -> dict[str, Any] | None:
+        m = by_key.get(f"{mode}@{suffix}")
+        if m is None:
+            s = skipped.get((mode, suffix))
+            return None if s is None else {
+                "budget_bytes": s["budget_bytes"], "error": f"below its min ({s['min_budget_bytes'] / MIB:.0f} MiB)"}
+        return m
+
+    suffixes = [m["method"].split("@")[1] for m in r["methods"] if m["kind"] in ("lossless", "combined")]
+    entries = [(s, state("lossless", s), state("combined", s)) for s in dict.fromkeys(suffixes) if s != "min"]
+    entries += [(f"{mode} min", by_key[f"{mode}@min"] if mode == "lossless" else None,
+                 by_key[f"{mode}@min"] if mode == "combined" else None)
+                for mode in ("lossless", "combined") if f"{mode}@min" in by_key]
+    budgets = []
+    for name, lossless, combined in entries:
+        budget = (lossless or combined or {})["budget_bytes"]
+        out: dict[str, Any] = {"budget": name, "budget_mib": budget / MIB}
+        for mode, m in (("lossless", lossless), ("combined", combined)):
+            if m is None or "error" in m:
+                out[mode] = None if m is None else {"method": m.get("method"), "error": m["error"]}
+            else:
+                out[mode] = {**_point(m), "fits": m["fwd_bwd_peak_mib"] * MIB <= budget,
+                             "lossy_tensors": m["lossy_tensors"], "recomputed": m["recomputed"] + m["recomputed_cheap"],
+                             "units": m["units"], "predicted_peak_mib": m["predicted_peak_mib"],
+                             "verified_peak_mib": m["verified_peak_mib"]}
+        out["alone"] = _point(fitting_level(budget))
+        budgets.append(out)
+    margin = COMBINED_MARGIN * r["pytorch_peak_mib"]
+    caps = []
+    for cap in OVERHEAD_CAPS:
+        low = {}
+        for mode, pts in points.items():
+            within = [m for m in pts if cap is None or m["overhead"] <= cap]
+            best = min(within, key=lambda m: m["fwd_bwd_peak_mib"]) if within else None
+            low[mode] = None if best is None else {**_point(best), "lossy_tensors": best.get("lossy_tensors", 0)}
+        c = low["combined"]
+        others = [o["peak_mib"] for o in (low["lossless"], low["alone"]) if o is not None]
+        if c is None:
+            verdict = "no combined point"
+        elif all(c["peak_mib"] < o - margin for o in others):
+            verdict = "lower"
+        elif all(c["peak_mib"] <= o + margin for o in others):
+            verdict = "tie"
+        else:
+            verdict = "higher"
+        caps.append({"cap": cap, **low, "verdict": verdict,
+                     "combined_minus_best_other_mib": None if c is None or not others else c["peak_mib"] - min(others)})
+    return {
+        "rule": "lowest measured fwd+bwd peak of each mode within an overhead cap (lossless: plain PyTorch and "
+                "the lossless budget plans; alone: the levels; combined: the compress='auto' budget plans); the "
+                f"combined mode is 'lower' at a cap when its lowest peak is more than {COMBINED_MARGIN:.0%} of plain "
+                "PyTorch's peak below both others', a 'tie' within that margin",
+        "margin_mib": margin,
+        "budgets": budgets,
+        "caps": caps,
+        "at_any_overhead": caps[-1]["verdict"],
+        "caps_where_combined_lower": [c["cap"] for c in caps if c["verdict"] == "lower" and c["cap"] is not None],
+    }
+
+
+def evaluate_compress_goals(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    goals = []
+    for level, target in COMPRESS_GOALS.items():
+        for r in results:
+            if "error" in r:
+                continue
+            m = next((m for m in r["methods"] if m["method"] == level), None)
+            if m is None:
+                continue
+            e = {"level": level, "target": target, "id": r["id"]}
+            if "error" in m:
+                e.update(met=False, note=m["error"])
+            else:
+                e.update(met=m["activation_ratio"] >= target, ratio=m["activation_ratio"],
+                         activation_mib=m["activation_mib"], pytorch_activation_mib=r["pytorch_activation_mib"],
+                         lossy_tensors=m["lossy_tensors"], saved_tensors=m["saved_tensors"])
+            goals.append(e)
+    combined = []
+    for r in results:
+        if "error" in r:
+            continue
+        comp = r["comparison"]
+        any_cap = comp["caps"][-1]
+        combined.append({"id": r["id"], "at_any_overhead": comp["at_any_overhead"],
+                         "caps_where_combined_lower": comp["caps_where_combined_lower"],
+                         "any": {k: any_cap[k] for k in ("lossless", "alone", "combined")}})
+    return {"activation_ratio": goals, "combined": combined}
+
+
+def _ratio(v: float) -> str:
+    return "inf" if v == float("inf") else f"{v:.1f}x"
+
+
+def levels_table(r: dict[str, Any], markdown: bool) -> str:
+    heads = ["level", "lossy tensors", "lossy MiB (avg bits)", "activations MiB", "activation ratio",
+             "measured peak MiB", "predicted peak MiB", "% of PyTorch", "overhead x", "fastest x", "plan s",
+             "predicted rel. variance"]
+    cells = []
+    for m in r["methods"]:
+        if m["kind"] not in ("pytorch", "level"):
+            continue
+        if "error" in m:
+            cells.append([m["label"], m["error"]] + [""] * (len(heads) - 2))
+            continue
+        if m["kind"] == "pytorch":
+            lossy, mib, var, plan_s, pred = "—", "—", "—", "—", "—"
+        else:
+            pred = _mib(m["predicted_peak_mib"])
+            lossy = f"{m['lossy_tensors']} of {m['saved_tensors']}"
+            mib = f"{_mib(m['lossy_mib'])} of {_mib(m['saved_mib'])}" + (
+                f" ({m['avg_bits']:.2f})" if m["avg_bits"] is not None else "")
+            var = f"{m['predicted_variance']:.1e}"
+            plan_s = f"{m['plan_s']:.1f}"
+        cells.append([m["label"], lossy, mib, _mib(m["activation_mib"]), _ratio(m["activation_ratio"]),
+                      _mib(m["fwd_bwd_peak_mib"]), pred, f"{m['pct_of_pytorch']:.0f}%", _fmt_overhead(m["overhead"]),
+                      _fmt_overhead(m["overhead_of_fastest"]), plan_s, var])
+    return _grid(heads, cells, markdown, left=3)
+
+
+def _cell(p: dict[str, Any] | None, with_method: bool = False) -> tuple[str, str]:
+    if p is None:
+        return "—", "—"
+    if "error" in p:
+        return p["error"], ""
+    name = f"{p['method']}: " if with_method else ""
+    return name + _mib(p["peak_mib"]) + ("" if p.get("fits", True) else " (over)"), _fmt_overhead(p["overhead"])
+
+
+def budgets_table(r: dict[str, Any], markdown: bool) -> str:
+    heads = ["budget", "budget MiB", "lossless peak MiB", "lossless x", "compression alone: level, peak MiB",
+             "alone x", "combined peak MiB", "combined x", "lossless: recomputed units", "combined: lossy tensors, "
+             "recomputed units", "combined: predicted / zoomem-verified MiB"]
+
+    def what(p: dict[str, Any] | None, lossy: bool) -> str:
+        if p is None or "error" in p:
+            return ""
+        return (f"{p['lossy_tensors']}, " if lossy else "") + f"{p['recomputed']} of {p['units']}"
+
+    def check(p: dict[str, Any] | None) -> str:
+        if p is None or "error" in p:
+            return ""
+        verified = p["verified_peak_mib"]
+        return f"{_mib(p['predicted_peak_mib'])} / " + ("—" if verified is None else _mib(verified))
+
+    cells = []
+    for b in r["comparison"]["budgets"]:
+        lp, lx = _cell(b["lossless"])
+        ap, ax = _cell(b["alone"], with_method=True) if b["alone"] else ("no level fits", "")
+        cp, cx = _cell(b["combined"])
+        cells.append([b["budget"], _mib(b["budget_mib"]), lp, lx, ap, ax, cp, cx, what(b["lossless"], False),
+                      what(b["combined"], True), check(b["combined"])])
+    return _grid(heads, cells, markdown, left=1)
+
+
+def caps_table(r: dict[str, Any], markdown: bool) -> str:
+    heads = ["overhead cap", "lossless: lowest peak MiB (x)", "compression alone", "combined", "combined is"]
+
+    def cell(p: dict[str, Any] | None) -> str:
+        return "—" if p is None else f"{_mib(p['peak_mib'])} ({p['method']}, {p['overhead']:.2f}x)"
+
+    cells = [[("any" if c["cap"] is None else f"<= {c['cap']:.2f}x"), cell(c["lossless"]), cell(c["alone"]),
+              cell(c["combined"]), c["verdict"]] for c in r["comparison"]["caps"]]
+    return _grid(heads, cells, markdown, left=1)
+
+
+def _compress_head(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['id']}: FAILED: {r['error']}"
+    return (f"{r['id']} ({r['layers']}; {_size_text(r)}; {r['param_mib']:.0f} MiB of parameters; plain PyTorch "
+            f"{r['pytorch_median_step_s']:.2f} s/step, {r['pytorch_activation_mib']:.1f} MiB of activations, "
+            f"fwd+bwd peak {r['pytorch_peak_mib']:.1f} MiB)")
+
+
+def compress_goals_text(g: dict[str, Any]) -> str:
+    yes = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
+    lines = []
+    for level, target in COMPRESS_GOALS.items():
+        lines.append(f"{level}: activations >= {target:g}x smaller than plain PyTorch's:")
+        entries = [e for e in g["activation_ratio"] if e["level"] == level]
+        if not entries:
+            lines.append("  (level not measured)")
+        for e in entries:
+            if "ratio" not in e:
+                lines.append(f"  - {e['id']}: {yes(False)}: {e['note']}")
+                continue
+            lines.append(f"  - {e['id']}: {yes(e['met'])}: {e['ratio']:.1f}x ({e['pytorch_activation_mib']:.1f} -> "
+                         f"{e['activation_mib']:.1f} MiB; {e['lossy_tensors']} of {e['saved_tensors']} saved tensors "
+                         "lossy)")
+    lines.append("combined mode (compress='auto' under a budget) reaches a lower peak than lossless planning and "
+                 f"than compression alone (by more than {COMBINED_MARGIN:.0%} of PyTorch's peak), at any overhead "
+                 "and within which overhead caps:")
+
+    def low(p: dict[str, Any] | None) -> str:
+        return "none" if p is None else f"{_mib(p['peak_mib'])} MiB ({p['method']}, {p['overhead']:.2f}x)"
+
+    for e in g["combined"]:
+        caps = ", ".join(f"<= {c:.2f}x" for c in e["caps_where_combined_lower"]) or "none"
+        a = e["any"]
+        note = " (it stores nothing lossy)" if a["combined"] is not None and not a["combined"]["lossy_tensors"] else ""
+        lines.append(f"  - {e['id']}: {e['at_any_overhead'].upper()} at any overhead: combined {low(a['combined'])}"
+                     f"{note}, lossless {low(a['lossless'])}, compression alone {low(a['alone'])}; lower within "
+                     f"the caps: {caps}")
+    return "\n".join(lines)
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    import torch
+
+    from zoomem import zoo
+
+    if args.render:
+        print_compress(json.loads(Path(args.render).read_text()), args.markdown)
+        return 0
+    models = args.models or list(COMPRESS_SIZES)
+    if not _known_models(models, zoo.SMALL if args.quick else COMPRESS_SIZES, args.quick, "compress size"):
+        return 2
+    if args.fractions is None:
+        args.fractions = list(QUICK_COMPRESS_FRACTIONS if args.quick else COMPRESS_FRACTIONS)
+    args.fractions = sorted(set(args.fractions), reverse=True)
+    if args.quick:
+        args.steps = min(args.steps, 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("zoomem").setLevel(logging.WARNING)
+    command = "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv)
+    git_info = _git_info()  # at the start: the code the run imports
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def payload(results: list[dict[str, Any]], partial: bool) -> dict[str, Any]:
+        return {
+            "benchmark": "compress",
+            "command": command,
+            "date": started.isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "git": git_info,
+            "wall_s": time.perf_counter() - t0,
+            "partial": partial,
+            "settings": {
+                "quick": args.quick,
+                "seed": args.seed,
+                "optimizer": f"torch.optim.AdamW(lr=1e-3, weight_decay=0.01, foreach={args.foreach})",
+                "step": "forward, loss, backward, optimizer.step(), zero_grad(set_to_none=True)",
+                "levels": list(args.levels),
+                "budget_fractions": list(args.fractions),
+                "budget_of": "zoomem's float budget: a fraction of plain PyTorch's forward+backward peak as zoomem's "
+                             "trace predicts it (optimizer state included)",
+                "planning": f"the model is wrapped once (zoomem.wrap(level={_WRAP_LEVEL!r}, batch=..., "
+                            "sensitivity_interval=0)); every other level and budget is planned with zoomem.plan on the "
+                            "wrapped model (its own trace and sensitivity probe each) and put in the wrap's plan cache "
+                            "while it runs; plain PyTorch runs under zoomem.disabled",
+                "sensitivity_interval": 0,
+                "warmup_rounds": args.warmup,
+                "timed_rounds": args.steps,
+                "timing": "no meter; one step of each method per round, the order rotated each round; median",
+                "meter": "one more step per method under zoomem.measure.measure_step (CPU: PyTorch profiler "
+                         "allocator trace); activations = bytes held at the forward mark above the step's start; "
+                         "peak = max(forward, backward phase peaks), absolute",
+                "solver_time_limit_s": args.time_limit,
+                "overhead_caps": [c for c in OVERHEAD_CAPS],
+            },
+            "results": results,
+            "goals": evaluate_compress_goals(results),
+        }
+
+    def save(results: list[dict[str, Any]], partial: bool = True) -> dict[str, Any]:
+        data = payload(results, partial)
+        out.write_text(json.dumps(data, indent=1) + "\n")  # after every model: a killed run keeps what it measured
+        return data
+
+    results = _run_models(models, compress_one, args, "compress", after_each=save)
+    data = save(results, partial=False)
+    logger.info("wrote %s", out)
+    print_compress(data, args.markdown)
+    return 1 if any("error" in r for r in results) else 0
+
+
+def print_compress(data: dict[str, Any], markdown: bool) -> None:
+    """The ``compress`` tables and verdicts of a result JSON (``--render`` prints a saved one again)."""
+    started = _dt.datetime.fromisoformat(data["date"])
+    _print_run_head(data["command"], data["machine"], started, data["wall_s"], markdown)
+    if data.get("partial"):
+        print("(partial: the run stopped before its last model)\n")
+    h = "#### " if markdown else ""
+    for r in data["results"]:
+        print(h + _compress_head(r) + "\n")
+        if "error" in r:
+            continue
+        print(levels_table(r, markdown) + "\n")
+        print(budgets_table(r, markdown) + "\n")
+        print(caps_table(r, markdown) + "\n")
+    print(compress_goals_text(data["goals"]))
 
 
 # -- command line -----------------------------------------------------------------------------------------------
@@ -1247,6 +1898,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-timeout", type=float, default=600.0,
                    help="solve-time section: a trace slower than this retries at half the batch (default: %(default)s)")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser(
+        "compress",
+        help="activation compression (GACT-style levels) and compression planned with recomputation, per model",
+        description="For each model, in one process: plain PyTorch, zoomem's compression levels L0..L3 and, at "
+        "budgets of 90..30%% of plain PyTorch's peak (and the minimum feasible one), lossless planning "
+        "(wrap(budget=...)) and the combined mode (wrap(budget=..., compress='auto')). Reports the activation "
+        "bytes against plain PyTorch's, the measured peaks and the step-time overheads (interleaved, medians), "
+        "and whether the combined mode reaches lower peaks than either alone at the same overhead.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="the zoo.small variants, budgets 80%% and 50%% (and the minimum), 2 timed steps "
+                   "(seconds; for tests)")
+    p.add_argument("--models", nargs="+", metavar="ID", help=f"model ids (default: {' '.join(COMPRESS_SIZES)})")
+    p.add_argument("--levels", nargs="+", default=list(COMPRESS_LEVELS), choices=list(COMPRESS_LEVELS),
+                   metavar="LEVEL", help="levels to measure (default: %(default)s)")
+    p.add_argument("--fractions", nargs="+", type=float, metavar="F",
+                   help=f"budgets, fractions of plain PyTorch's peak (default: {' '.join(map(str, COMPRESS_FRACTIONS))})")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per method (median; default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, untimed (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/compress.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0: torch's choice (default: %(default)s: on a shared CPU, more "
+                   "threads than the cores left free make every step slower and its time noisy)")
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True,
+                   help="AdamW foreach implementation (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP solver time limit, s (default: %(default)s)")
+    p.add_argument("--render", metavar="JSON", help="print the tables of a result JSON written before; run nothing")
+    p.set_defaults(func=cmd_compress)
 
     p = sub.add_parser("_solve")  # internal: one model of the solve-time section, in a child process
     p.add_argument("model", choices=list(SOLVE_SIZES))

@@ -96,3 +96,69 @@ def test_bench_sweep_quick(tmp_path):
         assert methods["ilp@min"]["budget_bytes"] >= r["min_budget_mib"] * MIB - 1
     assert results["hf/bert-base-uncased"]["methods"][1]["label"] == "HF gradient_checkpointing_enable"
     assert "zoomem `all`" in results["pyg/gcn"]["methods"][1]["label"]  # PyG has no checkpointing of its own
+
+
+def test_bench_compress_quick(tmp_path):
+    """`compress --quick` on the small GCN: every level and both budget modes, measured in one process; JSON, tables."""
+    out = tmp_path / "compress.json"
+    levels = ["L0", "L1.1", "L1.2", "L2", "L2.2"]  # fixed and adaptive bits, the wrap's own level; ~1 s a level
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "compress", "--quick", "--models", "pyg/gcn",
+           "--levels", *levels, "--out", str(out), "--markdown"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| plain PyTorch | — |" in proc.stdout and "| L2.2 (adaptive, 2 bits avg) |" in proc.stdout
+    assert "L2.2: activations >= 8x smaller" in proc.stdout and "| any |" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "compress" and data["settings"]["quick"] is True
+    assert data["settings"]["timed_rounds"] == 2 and data["settings"]["budget_fractions"] == [0.8, 0.5]
+    assert data["settings"]["levels"] == levels
+    assert data["machine"]["torch"] == torch.__version__
+    assert data["git"] == {} or len(data["git"]["commit"]) == 40
+    datetime.datetime.fromisoformat(data["date"])
+
+    (r,) = data["results"]
+    assert r["id"] == "pyg/gcn" and "error" not in r, r.get("error")
+    methods = {m["method"]: m for m in r["methods"]}
+    assert set(data["settings"]["levels"]) | {"pytorch"} <= set(methods)
+    ref = methods["pytorch"]
+    assert ref["overhead"] == 1.0 and ref["activation_ratio"] == 1.0
+    assert ref["activation_mib"] == r["pytorch_activation_mib"] and ref["fwd_bwd_peak_mib"] == r["pytorch_peak_mib"]
+    for mode in ("lossless", "combined"):  # each budget is planned, infeasible, or skipped below the minimum
+        for frac in (0.8, 0.5):
+            key = f"{mode}@{frac:.0%}"
+            assert (key in methods) != any(s["mode"] == mode and s["budget_frac"] == frac for s in r["skipped_budgets"])
+    for key, m in methods.items():
+        if "error" in m:
+            assert m["kind"] in ("lossless", "combined") and m["error"].startswith("infeasible"), m
+            continue
+        phases = m["report"]["phases"]
+        assert list(phases) == ["forward", "backward", "optimizer"]
+        peak = max(phases["forward"]["peak_bytes"], phases["backward"]["peak_bytes"])
+        assert m["fwd_bwd_peak_mib"] * MIB == peak
+        assert m["activation_mib"] * MIB == m["report"]["activation_bytes"] > 0
+        assert abs(m["activation_ratio"] - ref["activation_mib"] / m["activation_mib"]) < 1e-9
+        assert len(m["step_s"]) == 2 and m["overhead"] > 0
+        if key != "pytorch":
+            assert m["plan_s"] >= 0 and m["units"] > 0 and m["lossy_tensors"] <= m["saved_tensors"]
+    assert methods["L0"]["lossy_tensors"] == 0 and methods["L0"]["activation_mib"] == ref["activation_mib"]
+    for level in ("L1.1", "L1.2", "L2", "L2.2"):  # the GCN's hidden features are lossy at every level
+        assert methods[level]["lossy_tensors"] > 0 and methods[level]["activation_ratio"] > 1.0
+    assert methods["L1.2"]["avg_bits"] == 2.0 and methods["L1.1"]["avg_bits"] == 8.0
+    assert methods["L1.2"]["activation_mib"] < methods["L1.1"]["activation_mib"]
+
+    comp = r["comparison"]
+    assert [c["cap"] for c in comp["caps"]][-1] is None
+    any_cap = comp["caps"][-1]
+    for mode in ("lossless", "alone", "combined"):  # at any overhead: the lowest peak among the mode's points
+        pts = [m for m in methods.values() if "error" not in m and
+               m["kind"] in {"lossless": ("pytorch", "lossless"), "alone": ("level",), "combined": ("combined",)}[mode]]
+        if pts:
+            assert any_cap[mode]["peak_mib"] == min(m["fwd_bwd_peak_mib"] for m in pts)
+    for b in comp["budgets"]:
+        if b["alone"] is not None:
+            assert methods[b["alone"]["method"]]["fwd_bwd_peak_mib"] <= b["budget_mib"]
+    goals = data["goals"]
+    assert {(g["level"], g["id"]) for g in goals["activation_ratio"]} == {("L2.2", "pyg/gcn"), ("L2", "pyg/gcn")}
+    for g in goals["activation_ratio"]:
+        assert g["met"] == (g["ratio"] >= g["target"])
