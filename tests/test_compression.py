@@ -110,6 +110,33 @@ def test_parameters_inputs_and_autocast_copies_stay_exact() -> None:
     assert all(d["lossy"] for d in plan.saved if d["dtype"] != "torch.bfloat16" or d["shape"] == [64, 128])
 
 
+class _MaskedScale(nn.Module):
+    """Saves a buffer, an input and a mask computed without gradient (like SDPA's attention-dropout mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.rand(64, 128))
+        self.w = nn.Parameter(torch.randn(64, 128))
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        h = x * 1.5
+        mask = (torch.rand_like(h) > 0.1).float() / 0.9  # no grad_fn, made by this forward: 0 or 1/0.9
+        cos = (other * 3).cos()  # no grad_fn, many values: its sensitivity cannot be measured
+        return (h * mask).sum() + (h * self.scale).sum() + (h * other).sum() + (h ** 3).sum() + h.sqrt().sum() \
+            + (h * cos).sum() + (self.w * h).sum()
+
+
+def test_new_tensors_without_grad_may_be_lossy_leaves_and_reciprocals_not() -> None:
+    model, x, other = _MaskedScale(), torch.rand(64, 128, requires_grad=True), torch.randn(64, 128)
+    plan = zoomem.plan(model, (x, other), level="L2", loss_fn=lambda out, b: out)
+    reasons = [d["lossy"] for d in plan.saved]
+    assert reasons.count("leaf (parameter, buffer or input)") == 3  # the buffer, the input `other`, the parameter
+    assert reasons.count("computed without gradient") == 1
+    assert reasons.count(None) == 2  # the dropout-like mask, and h saved by `h ** 3` (a bounded derivative)
+    assert any(r and "SqrtBackward0" in r for r in reasons)  # sqrt's backward divides by its output
+    assert len(plan.bits) == 2
+
+
 def test_duplicates_stored_once_and_nan_kept_exact() -> None:
     calls = []
     a = torch.randn(64, 128, requires_grad=True)

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zoomem.batch import Batch
 
-__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "holder_bytes", "measure_step"]
+__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "holder_bytes", "measure_step", "tensor_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +337,11 @@ def measure_step(
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the elements ``t`` addresses: a sparse tensor's indices and values, not its dense size."""
+    return sum(p.numel() * p.element_size() for p in _plain_tensors(t))
 
 
 def holder_bytes(*holders: Any, device: torch.device | str = "cpu") -> int:

@@ -81,6 +81,8 @@ def estimate_sensitivity(
     """
     params = [p for p in params if p.requires_grad]
     out = {key: 0.0 for key in saved}
+    if not params:  # nothing to train: no gradient for rounding to disturb
+        return Sensitivity(out, 0.0)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     grad_sq = float(sum(float(g.detach().double().square().sum()) for g in grads if g is not None))
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]

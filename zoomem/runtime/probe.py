@@ -46,6 +46,13 @@ comparison (a ReLU's mask from its output) or a reciprocal (a softmax denominato
 perturbation (a flipped comparison, a near-zero divisor), a first-order sensitivity cannot see it, so these
 tensors stay exact."""
 
+_EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
+    # x ** e with e >= 1 (GPT-2's GELU cubes its input) has the bounded derivative e * x ** (e - 1): no reciprocal
+    "PowBackward0": lambda node: isinstance(getattr(node, "_saved_exponent", None), (int, float))
+    and node._saved_exponent >= 1,
+}
+"""Nodes of :data:`EXACT_READS` whose saved tensors may be lossy after all when the predicate holds."""
+
 
 def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
     """Mark the saved tensors that an :data:`EXACT_READS` backward reads as never lossy; returns how many."""
@@ -72,7 +79,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
                     store.infos[key].lossy = f"read through a comparison ({name})"
                     marked += 1
             continue
-        if name not in EXACT_READS:
+        if name not in EXACT_READS or (name in _EXACT_UNLESS and _EXACT_UNLESS[name](node)):
             continue
         attrs = EXACT_READS[name]
         for attr in dir(node) if attrs is None else attrs:
@@ -139,7 +146,7 @@ def probe_saved(
     store = SavedTensorStore(record=True, generator=generator)
     grad_sq = 0.0
     with _no_trace(model), torch.enable_grad():
-        with store.hooks(), _regions(store, units):
+        with store.hooks(model, batch.args, batch.kwargs), _regions(store, units):
             out = batch.call(model)
         loss = loss_fn(out, batch)
         _mark_exact_reads(loss, store)

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..compress.quantize import Quantized, dequantize, quantize
+from ..measure import tensor_nbytes
 from ..ops.functional import separate_masks
 from ..planner.compression import SavedInfo
 
@@ -42,8 +43,15 @@ _PASS_THROUGH = frozenset({
 })
 
 
-def lossy_reason(t: torch.Tensor, min_numel: int = MIN_NUMEL) -> str | None:
-    """Why ``t`` must stay exact (``None``: it may be quantized)."""
+def lossy_reason(t: torch.Tensor, min_numel: int = MIN_NUMEL, leaves: frozenset[int] | None = None) -> str | None:
+    """Why ``t`` must stay exact (``None``: it may be quantized).
+
+    ``leaves``: the storages of the tensors that exist before the forward (parameters, buffers, inputs). A tensor
+    without ``grad_fn`` outside them was computed in the forward without gradient (an attention-dropout mask):
+    its bytes are the forward's. The probe cannot measure how its rounding moves the gradient (no autograd node
+    to hook), so it may be quantized only when every bit width holds it exactly: its values are 0 and one other
+    (a dropout mask, 0 or 1/(1-p)). Without ``leaves`` every such tensor counts as a leaf.
+    """
     if not t.is_floating_point():
         return "not floating"
     if t.layout != torch.strided:
@@ -52,7 +60,11 @@ def lossy_reason(t: torch.Tensor, min_numel: int = MIN_NUMEL) -> str | None:
         return "tiny"
     node = t.grad_fn
     if node is None:
-        return "leaf (parameter, buffer or input)"
+        if t.requires_grad or leaves is None or _ptr(t) in leaves:
+            return "leaf (parameter, buffer or input)"
+        if not _zero_or_one_value(t):  # a probe cannot measure its sensitivity (no autograd node to hook)
+            return "computed without gradient"
+        return None  # a dropout mask: any bit width holds its two values exactly
     for _ in range(4):  # a parameter seen through casts and views (autocast's low-precision weight copies)
         if type(node).__name__ not in _PASS_THROUGH:
             return None
@@ -120,6 +132,7 @@ class SavedTensorStore:
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
     _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
+    _leaves: frozenset[int] | None = None
 
     # ------------------------------------------------------------------ regions
     @contextlib.contextmanager
@@ -138,10 +151,14 @@ class SavedTensorStore:
             self._region = f"<after:{name}>"
 
     @contextlib.contextmanager
-    def hooks(self) -> Iterator["SavedTensorStore"]:
-        """Enter the hooks for one forward. On exit the store lets go of every packed object (autograd owns them)
-        so nothing outlives the backward that needs it."""
+    def hooks(self, model: torch.nn.Module | None = None, args: tuple = (),
+              kwargs: Mapping[str, Any] | None = None) -> Iterator["SavedTensorStore"]:
+        """Enter the hooks for one forward of ``model`` on ``args``/``kwargs`` (which tell what already exists
+        before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
+        owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._bases = "<stem>", {}, {}, {}, {}
+        self._leaves = None if model is None else frozenset(
+            _ptr(t) for t in (*model.parameters(), *model.buffers(), *_tensors(args, kwargs or {})))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), separate_masks():
                 yield self
@@ -173,7 +190,7 @@ class SavedTensorStore:
             return earlier if earlier is not None else view  # type: ignore[return-value]
         packed = _Packed(t, key=key, store=self) if self.record else _Packed(t)
         bits = self.bits.get(key)
-        reason = lossy_reason(t, self.min_numel) if (bits or self.record) else "not asked"
+        reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
         if bits and reason is None:
             q = quantize(t, bits, generator=self.generator)
             if q is not None:
@@ -181,7 +198,7 @@ class SavedTensorStore:
                     q, packed.device = q.to("cpu", non_blocking=True), t.device
                 packed = _Packed(None, q, packed.device)
         if self.record:
-            self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, t.numel() * t.element_size(), reason)
+            self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, tensor_nbytes(t), reason)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
@@ -208,6 +225,12 @@ class SavedTensorStore:
     def _unpack(packed: _Packed) -> torch.Tensor:
         return packed.unpack()
 
+
+
+def _zero_or_one_value(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds only 0 and one other value (its maximum)."""
+    top = t.amax()
+    return bool(((t == 0) | (t == top)).all())
 
 
 def _ptr(t: torch.Tensor) -> int:

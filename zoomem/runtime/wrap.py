@@ -56,8 +56,11 @@ class _Active:
             compact |= {OUTSIDE_UNITS}
         return cls(plan.decisions, compact, store)
 
-    def hooks(self) -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
-        return self.store.hooks() if self.store is not None else contextlib.nullcontext()
+    def hooks(self, model: nn.Module, batch: Batch) -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
+        """The store's hooks around one forward of ``model`` on ``batch`` (a no-op when nothing is lossy)."""
+        if self.store is None:
+            return contextlib.nullcontext()
+        return self.store.hooks(model, batch.args, batch.kwargs)
 
 
 @dataclass
@@ -322,7 +325,7 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
     previous, handle.active = handle.active, handle.active_for(candidate)
     try:
         store = handle.active.store
-        with handle.active.hooks():  # the store's state for this forward; the timeline's hooks call into it
+        with handle.active.hooks(handle.model, batch):  # this forward's store state; the timeline calls into it
             timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units,
                                         saved_hooks=(store._pack, store._unpack) if store is not None else None)
     finally:
@@ -485,10 +488,11 @@ def wrap(
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        handle.active = handle.active_for(handle.plan_for(Batch(tuple(args), dict(kwargs))))
+        batch = Batch(tuple(args), dict(kwargs))
+        handle.active = handle.active_for(handle.plan_for(batch))
         handle.steps += 1
         try:
-            with handle.active.hooks():
+            with handle.active.hooks(model, batch):
                 return original(*args, **kwargs)
         finally:
             handle.active = None
