@@ -91,7 +91,8 @@ class _Packed:
     def unpack(self) -> torch.Tensor:
         if self.view_of is not None:
             base, shape, stride, offset = self.view_of
-            return base.unpack().as_strided(shape, stride, offset)
+            whole = base.unpack()  # the tensor itself (at its own storage offset) or a fresh dequantized one
+            return whole.as_strided(shape, stride, whole.storage_offset() + offset)
         if self.tensor is not None:
             bits = self.store.perturb.get(self.key) if self.store is not None else None
             if bits:
