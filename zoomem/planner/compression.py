@@ -121,11 +121,23 @@ def get_level(level: str | Level) -> Level:
 
 
 def eligible(infos: list[SavedInfo]) -> list[SavedInfo]:
-    """Tensors that may be quantized. A tensor whose C_s is zero has no effect on this step's gradient (timm's
-    ResNet blocks start with a zero BatchNorm weight, so nothing flows through their branch): it gets the fewest
-    bits until a refresh measures an effect. Tensors read through comparisons or reciprocals were already
-    excluded by the probe."""
+    """Tensors that may be quantized (those read through comparisons or reciprocals were already excluded by the
+    probe)."""
     return [s for s in infos if s.lossy is None]
+
+
+def floor_sensitivities(infos: list[SavedInfo]) -> None:
+    """Give measured tensors with no effect on this step's gradient (C_s = 0) the per-element sensitivity of the
+    least sensitive tensor that has one: no effect *yet* is not no effect (timm's ResNet blocks start with a zero
+    BatchNorm weight, so their branch's tensors matter from the first update on; refreshes then measure them)."""
+    cands = [s for s in eligible(infos) if s.measured and s.numel]
+    dens = [s.sensitivity / s.numel for s in cands if s.sensitivity > 0]
+    if not dens:
+        return
+    least = min(dens)
+    for s in cands:
+        if s.sensitivity <= 0:
+            s.sensitivity = least * s.numel
 
 
 def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0) -> dict[str, int]:

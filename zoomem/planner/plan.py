@@ -31,6 +31,9 @@ class InfeasibleBudgetError(ValueError):
         super().__init__(message)
         self.min_budget = min_budget
 
+    def __reduce__(self) -> tuple:  # type: ignore[type-arg]  (picklable: ranks send it to each other)
+        return (type(self), (str(self), self.min_budget))
+
 
 @dataclass
 class UnitPlan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from torch import nn
@@ -16,6 +17,11 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], 
     module.__dict__["forward"] = forward
 
     def undo() -> None:
+        if module.__dict__.get("forward") is not forward:  # wrapped again on top (accelerator.prepare): keep that
+            warnings.warn(f"zoomem: the forward of this {type(module).__name__} was replaced after zoomem's (by "
+                          "accelerator.prepare, say); it is left in place and zoomem's beneath it passes "
+                          "straight through.", stacklevel=3)
+            return
         if had_own:
             module.__dict__["forward"] = old
         else:

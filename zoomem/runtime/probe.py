@@ -20,7 +20,8 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..compress.sensitivity import estimate_sensitivity
-from ..planner.compression import SavedInfo
+from ..planner.compression import SavedInfo, floor_sensitivities
+from .distributed import all_reduce_mean
 from .storage import SavedTensorStore
 from .units import _restore_buffers
 
@@ -154,27 +155,14 @@ def probe_saved(
             params = [p for p in model.parameters() if p.requires_grad]
             eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
             result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator)
-            for key, c in _all_reduce_mean(result.per_tensor).items():
+            for key, c in all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
                 store.infos[key].measured = result.measured
             grad_sq = result.grad_sq
+            floor_sensitivities(list(store.infos.values()))
         del out, loss
     infos = list(store.infos.values())
     store.tensors.clear()
     logger.info("zoomem: measured %d saved tensors%s in %.2f s", len(infos),
                 " and their sensitivities" if sensitivity else "", time.perf_counter() - t0)
     return infos, grad_sq
-
-
-def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not values:
-        return values
-    keys = sorted(values)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    vec = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(vec)
-    vec /= dist.get_world_size()
-    return dict(zip(keys, vec.tolist()))

@@ -10,9 +10,12 @@ or under ``torch.no_grad()`` the original forward runs as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,6 +30,7 @@ from ..compress.quantize import seconds_per_byte
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
 from ..planner.solve import SAFETY_MARGIN
+from .distributed import from_rank0, world_size
 from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched
 from .patch import set_forward
 from .probe import probe_saved
@@ -97,6 +101,7 @@ class _Handle:
     busy: bool = False
     enabled: bool = True
     undo: list[Callable[[], None]] = field(default_factory=list)
+    forward: Callable[..., Any] | None = None  # zoomem's model forward (a method of the model)
     impl_undos: list[Callable[[], None]] = field(default_factory=list)
     last_graph: OpGraph | None = None
 
@@ -123,26 +128,43 @@ class _Handle:
     def active_for(self, plan: Plan) -> _Active:
         return _Active.of(plan, self.generator(self.device()) if plan.bits else None)
 
+    @contextlib.contextmanager
+    def planning_scope(self) -> Iterator[None]:
+        """Plan or probe inside: the model's forward runs its original path, entered directly (a wrapper put on
+        top of zoomem's, like Accelerate's mixed-precision one, is not re-entered: its autocast state is not
+        re-entrant), and autocast's weight-cast cache is cleared afterwards (the planning forwards filled it, and
+        selective recomputation must see the same casts in the step as in its recomputation)."""
+        was_busy, self.busy = self.busy, True
+        outer = self.model.__dict__.get("forward")
+        swap = self.forward is not None and outer is not self.forward
+        if swap:
+            self.model.__dict__["forward"] = self.forward
+        try:
+            yield
+        finally:
+            if swap:
+                self.model.__dict__["forward"] = outer
+            self.busy = was_busy
+            if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
+                torch.clear_autocast_cache()
+
     def plan_for(self, batch: Batch) -> Plan:
         sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
         cached = self.plans.get(sig)
         if cached is not None:
-            if (self.sensitivity_interval and sig in self.planning and self.steps
-                    and self.steps % self.sensitivity_interval == 0):
+            if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
             return cached
-        self.busy = True
-        try:
-            new = _make(self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer,
-                        self.loss_fn, self.time_limit, compress=self.compress, level=self.level)
-        finally:
-            self.busy = False
+        with self.planning_scope():
+            new = from_rank0(lambda: _make(self.model, batch, self.budget, self.strategy, self.adapter,
+                                           self.optimizer, self.loss_fn, self.time_limit, compress=self.compress,
+                                           level=self.level), _encode_plan, _decode_plan)
         new.signature = repr(sig[0])
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
         recomputed = sum(u.decision != Decision.KEEP for u in new.units)
-        logger.info(
+        _log_rank0(
             "zoomem: planned %s for a new input signature: %d of %d units recomputed, predicted peak %.1f MiB "
             "(PyTorch %.1f MiB)", type(self.model).__name__, recomputed, len(new.units),
             new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
@@ -155,24 +177,59 @@ class _Handle:
 
         t0 = time.perf_counter()
         ctx = self.planning[sig]
-        self.busy = True
-        try:
+
+        def replan() -> Plan:
             infos, grad_sq = _probe(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, old)
-        finally:
-            self.busy = False
-        ctx.infos = infos
-        ctx.costs.attach_saved(infos, grad_sq, ctx.costs.compress_s_per_byte)
-        if self.level is not None:
-            new = _level_plan(ctx.costs, infos, self.level, ctx.chosen_units, self.time_limit)
-        else:
+            ctx.infos = infos
+            ctx.costs.attach_saved(infos, grad_sq, ctx.costs.compress_s_per_byte)
+            if self.level is not None:
+                return _level_plan(ctx.costs, infos, self.level, ctx.chosen_units, self.time_limit)
             assert self.compress is not None
             new = make_plan(ctx.costs, ctx.budget_bytes, strategy="ilp", time_limit=self.time_limit,
                             margin=old.extras.get("margin", SAFETY_MARGIN), compress=self.compress)
             _set_compact(new, ctx.chosen_units)
+            return new
+
+        with self.planning_scope():
+            new = from_rank0(replan, _encode_plan, _decode_plan)
         new.signature, new.extras = old.signature, dict(old.extras)
-        logger.info("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
+        _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
+
+
+EARLY_REFRESHES = (1, 4, 16, 64)
+"""Steps at which sensitivities are measured again besides every ``sensitivity_interval``: early training moves
+them most (timm's ResNet blocks start with a zero BatchNorm weight, so their tensors matter only from step 1)."""
+
+
+def refresh_due(step: int, interval: int) -> bool:
+    """Whether adaptive bits are re-measured before training step ``step`` (0 is the one planned)."""
+    return interval > 0 and step > 0 and (step in EARLY_REFRESHES or step % interval == 0)
+
+
+def _encode_plan(plan: Plan) -> str:
+    extras = plan.extras
+    plan.extras = {k: v for k, v in extras.items() if k != "_planning"}
+    try:
+        return plan.to_json()
+    finally:
+        plan.extras = extras
+
+
+def _decode_plan(text: str, local: Plan | None) -> Plan:
+    """Rank 0's plan, with this rank's own planning context (to re-measure sensitivities later)."""
+    plan = Plan.from_json(text)
+    if local is not None and "_planning" in local.extras:
+        plan.extras["_planning"] = local.extras["_planning"]
+    return plan
+
+
+def _log_rank0(msg: str, *args: Any) -> None:
+    import torch.distributed as dist
+
+    if world_size() == 1 or dist.get_rank() == 0:
+        logger.info(msg, *args)
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -408,16 +465,11 @@ def plan(
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
     handle: _Handle | None = model.__dict__.get(_ATTR)
-    if handle is not None:
-        handle.busy = True
-    try:
+    with handle.planning_scope() if handle is not None else contextlib.nullcontext():
         new = _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit, compress=options,
                     level=lvl)
-        new.extras.pop("_planning", None)
-        return new
-    finally:
-        if handle is not None:
-            handle.busy = False
+    new.extras.pop("_planning", None)
+    return new
 
 
 def wrap(
@@ -451,8 +503,8 @@ def wrap(
             effect on the gradient. Gradients are then unbiased, not exact. Without a budget it means ``L2``.
         level: GACT-style compression without a budget: ``L0`` (none), ``L1``/``L1.1``/``L1.2`` (4/8/2 bits),
             ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
-        sensitivity_interval: adaptive plans measure sensitivities again every this many training steps
-            (0: never after planning); each time costs about three passes, logged.
+        sensitivity_interval: adaptive plans measure sensitivities again every this many training steps, and
+            at steps 1, 4, 16 and 64 (0: never after planning); each time costs about three passes, logged.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -485,7 +537,7 @@ def wrap(
     model.__dict__[_ATTR] = handle
     original = model.forward
 
-    def model_forward(*args: Any, **kwargs: Any) -> Any:
+    def model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         batch = Batch(tuple(args), dict(kwargs))
@@ -497,7 +549,18 @@ def wrap(
         finally:
             handle.active = None
 
-    handle.undo.append(set_forward(model, model_forward))
+    # a method of the model, looking like the original: wrappers that rebind `forward.__func__` (Accelerate's
+    # mixed precision, and its unwrap_model) and readers of its signature (HF Trainer's column filter) work
+    functools.update_wrapper(model_forward, original, updated=())
+    del model_forward.__wrapped__  # type: ignore[attr-defined]
+    try:
+        params = list(inspect.signature(original).parameters.values())
+        model_forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *params])
+    except (TypeError, ValueError):
+        pass
+    handle.forward = MethodType(model_forward, model)
+    handle.undo.append(set_forward(model, handle.forward))
     for unit in handle.units:
         handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
@@ -542,6 +605,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     if handle is None:
         warnings.warn("zoomem.unwrap: this model is not wrapped; nothing to undo.", stacklevel=2)
         return model
+    handle.enabled = False  # a forward someone wrapped on top of zoomem's stays; it then passes straight through
     for undo in reversed(handle.undo):
         undo()
     return model
