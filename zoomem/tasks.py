@@ -207,15 +207,17 @@ def _text() -> TaskData:
 
     glosses = ImageNetInfo("imagenet-22k").label_descriptions(detailed=True, as_dict=True)  # "lemmas: definition"
     texts: list[list[str]] = []
+    raw: list[str] = []  # the glosses themselves, for models with their own tokenizer (recipes/bert_large.py)
     labels: list[int] = []
     test: list[bool] = []
     for label, (lo, hi) in enumerate(TEXT_CATEGORIES.values()):
         for i, wnid in enumerate(sorted(w for w in glosses if lo <= w < hi)):
             texts.append(_WORD.findall(glosses[wnid].lower()))
+            raw.append(glosses[wnid])
             labels.append(label)
             test.append(i % 5 == 0)  # every fifth synset of each category, in id order
             if i % 5 and (i // 5) % _TEXT_TRAIN_EVERY:
-                texts.pop(), labels.pop(), test.pop()
+                texts.pop(), raw.pop(), labels.pop(), test.pop()
     counts = Counter(w for words, t in zip(texts, test) if not t for w in words)
     vocab = {w: i + 3 for i, w in enumerate(sorted(w for w, n in counts.items() if n >= _TEXT_MIN_COUNT))}  # 0 pad, 1 unk, 2 cls
     ids = torch.full((len(texts), _TEXT_LEN), _PAD, dtype=torch.long)
@@ -225,7 +227,9 @@ def _text() -> TaskData:
     y = torch.tensor(labels)
     mask = torch.tensor(test)
     return TaskData(ids[~mask], y[~mask], ids[mask], y[mask], num_classes=len(TEXT_CATEGORIES),
-                    info={"vocab_size": len(vocab) + 3, "source": "timm.data.ImageNetInfo('imagenet-22k')"})
+                    info={"vocab_size": len(vocab) + 3, "source": "timm.data.ImageNetInfo('imagenet-22k')",
+                          "train_texts": [t for t, m in zip(raw, test) if not m],
+                          "test_texts": [t for t, m in zip(raw, test) if m]})
 
 
 def _build_text(data: TaskData) -> nn.Module:

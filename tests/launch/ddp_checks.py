@@ -1,0 +1,270 @@
+"""Started by tests/test_accelerate.py through ``accelerate launch``; every rank writes ``<out>/<mode>-rank<r>.json``.
+
+Modes:
+
+- ``count --expect N``: only :func:`zoomem.accelerate.check_processes` (a launch that gave other processes raises).
+- ``train``: the DDP checks in one launch (process start-up and imports are most of the cost), each section on a
+  fresh ``Accelerator`` and a fresh model: a lossless budget against plain Accelerate (parameters after three
+  steps), compression bits and sensitivities per rank, bf16 with gradient accumulation and clipping, the HF
+  Trainer with and without ``ZoomemCallback``, and ``save_state`` after ``K`` steps followed by two more steps.
+- ``resume``: a fresh launch that ``load_state``s that checkpoint and runs the same two steps.
+
+Each rank trains on its own batches (seeded by step and rank), so parameters stay equal across ranks only if DDP
+synchronises the gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+import zoomem
+import zoomem.accelerate as za
+from zoomem.zoo import build
+
+BERT = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000,
+            max_position_embeddings=64)
+BATCH, SEQ = 8, 64
+K = 2  # steps before save_state
+LOSSLESS = 0.8  # of plain PyTorch's peak: the planner recomputes the first of the two layers
+AUTO = 0.62  # below what recomputation alone reaches (0.65): the ILP also stores tensors in fewer bits
+
+
+def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same tiny BERT (dropout on) and AdamW every time, the caller's RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, _ = build("hf/bert-base-uncased", **BERT)
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[:, SEQ - 1 - step % 4:] = 0  # some padding
+    return {
+        "input_ids": torch.randint(0, BERT["vocab_size"], (BATCH, SEQ), generator=g),
+        "attention_mask": mask,
+        "labels": torch.randint(0, 2, (BATCH,), generator=g),
+    }
+
+
+class Rows(torch.utils.data.Dataset):
+    """``n`` single examples for the HF Trainer (its collator stacks them into batches)."""
+
+    def __init__(self, n: int = 48) -> None:
+        g = torch.Generator().manual_seed(99)
+        ids = torch.randint(0, BERT["vocab_size"], (n, SEQ), generator=g)
+        labels = torch.randint(0, 2, (n,), generator=g)
+        mask = (torch.arange(SEQ) < SEQ - torch.arange(n)[:, None] % 4).long()
+        self.rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def run_trainer(out_dir: Path, callback: Any = None, max_steps: int = 3, **args: Any) -> Any:
+    """A few Trainer steps on the tiny BERT (CPU, no reports, no checkpoints); returns the Trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    model, _ = model_and_opt()
+    targs = TrainingArguments(
+        output_dir=str(out_dir), use_cpu=True, report_to=[], max_steps=max_steps, per_device_train_batch_size=BATCH,
+        learning_rate=1e-3, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, **args,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[callback] if callback else None)
+    trainer.train()
+    return trainer
+
+
+def fresh_accelerator(mixed_precision: str = "no", **kwargs: Any) -> Accelerator:
+    """A new Accelerator with new settings in the same process (the process group stays)."""
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(mixed_precision=mixed_precision, **kwargs)
+
+
+def flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().double().flatten() for t in tensors])
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters())
+
+
+def setup(acc: Accelerator, how: str, **zoomem_kwargs: Any) -> tuple[Any, Any]:
+    """``plain``: Accelerate alone; ``before``: zoomem.wrap, then prepare; ``helper``: zoomem.accelerate.prepare."""
+    model, opt = model_and_opt()
+    if how == "before":
+        zoomem.wrap(model, optimizer=opt, **zoomem_kwargs)
+    if how == "helper":
+        return za.prepare(acc, model, opt, expect_processes=2, **zoomem_kwargs)
+    return acc.prepare(model, opt)
+
+
+def plan_info(model: torch.nn.Module) -> dict[str, Any]:
+    (plan,) = za.plans(model)
+    return {
+        "decisions": [u.decision.value + (" + compact" if u.compact else "") for u in plan.units],
+        "bits": plan.bits,
+        "sensitivity": {d["key"]: d.get("sensitivity") for d in plan.saved},
+    }
+
+
+def steps(acc: Accelerator, model: Any, opt: Any, which: range) -> list[float]:
+    losses = []
+    for step in which:
+        loss = model(**batch(step, acc.process_index)).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def lossless(out: dict[str, Any]) -> None:
+    """Three DDP steps plain, wrapped before prepare, and through the helper: parameters equal to plain's."""
+    params = {}
+    for how in ("plain", "before", "helper"):
+        acc = fresh_accelerator()
+        model, opt = setup(acc, how, **({} if how == "plain" else {"budget": LOSSLESS}))
+        torch.manual_seed(1234 + acc.process_index)  # the same dropout masks in every run
+        out[f"lossless_{how}_losses"] = steps(acc, model, opt, range(3))
+        params[how] = flat(model.parameters())
+        if how != "plain":
+            out[f"lossless_{how}_plan"] = plan_info(model)
+            out[f"lossless_{how}_max_param_diff"] = (params[how] - params["plain"]).abs().max().item()
+    out["is_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    out["distributed_type"] = str(acc.distributed_type.value)
+    out["num_processes"] = acc.num_processes
+    out["lossless_param_checksum"] = params["helper"].sum().item()  # compared across ranks
+
+
+def compress(out: dict[str, Any]) -> None:
+    """Adaptive bits (L2, sensitivities measured again after 2 steps) and the ILP's bits under a budget."""
+    for name, kw in (("L2", {"level": "L2", "sensitivity_interval": 2}),
+                     ("auto", {"budget": AUTO, "compress": "auto"})):
+        acc = fresh_accelerator()
+        model, opt = setup(acc, "helper", **kw)
+        torch.manual_seed(1234 + acc.process_index)
+        losses = steps(acc, model, opt, range(3))
+        out[f"compress_{name}"] = {**plan_info(model), "losses": losses,
+                                   "param_checksum": flat(model.parameters()).sum().item()}
+
+
+def bf16(out: dict[str, Any]) -> None:
+    """bf16 autocast, 2-step gradient accumulation (no_sync on the first) and clip_grad_norm_, plain, with a
+    lossless budget and with L2: losses finite, synced gradients and clipped norms close to plain's."""
+    runs = {}
+    for name, kw in (("plain", None), ("lossless", {"budget": LOSSLESS}), ("L2", {"level": "L2"})):
+        acc = fresh_accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+        model, opt = setup(acc, "plain" if kw is None else "helper", **(kw or {}))
+        torch.manual_seed(1234 + acc.process_index)
+        losses, norms, synced = [], [], []
+        for step in range(4):
+            with acc.accumulate(model):
+                loss = model(**batch(step, acc.process_index)).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    synced.append(grads(model))
+                    norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs[name] = synced
+        out[f"bf16_{name}"] = {
+            "losses": losses, "norms": norms,
+            "grads_finite": all(bool(torch.isfinite(g).all()) for g in synced),
+            "grad_rel_diff": [((g - r).norm() / r.norm()).item() for g, r in zip(synced, runs["plain"])],
+            "autocast_after": torch.is_autocast_enabled("cpu"),
+            **({"plan": plan_info(model)} if kw else {}),
+        }
+
+
+def trainer(out: dict[str, Any], out_dir: Path) -> None:
+    """The HF Trainer under DDP, plain and with ZoomemCallback (a recomputing budget): the same losses and
+    parameters; the callback wraps the module the Trainer's DDP container holds."""
+    from zoomem.hf_trainer import ZoomemCallback
+
+    plain = run_trainer(out_dir)
+    cb = ZoomemCallback(LOSSLESS, expect_processes=2)
+    wrapped = run_trainer(out_dir, cb)
+    for name, t in (("plain", plain), ("zoomem", wrapped)):
+        out[f"trainer_{name}"] = {
+            "losses": [h["loss"] for h in t.state.log_history if "loss" in h],
+            "param_checksum": flat(t.model.parameters()).sum().item(),
+            "container": type(t.model_wrapped).__name__,
+        }
+    out["trainer_zoomem"]["decisions"] = [u.decision.value for u in cb.plans[0].units]
+    out["trainer_zoomem"]["unwrapped_after"] = not zoomem.is_wrapped(wrapped.model)
+    out["trainer_max_param_diff"] = (flat(plain.model.parameters()) - flat(wrapped.model.parameters())).abs().max().item()
+
+
+def save(out: dict[str, Any], ckpt: Path) -> None:
+    """K steps, save_state, two more steps: their losses are what ``resume`` must reproduce."""
+    acc = fresh_accelerator()
+    model, opt = setup(acc, "helper", budget=LOSSLESS)
+    torch.manual_seed(1234 + acc.process_index)
+    steps(acc, model, opt, range(K))
+    acc.save_state(str(ckpt))
+    out["saved_param_checksum"] = flat(model.parameters()).sum().item()
+    out["after_save_losses"] = steps(acc, model, opt, range(K, K + 2))
+    out["state_dict_keys"] = sorted(acc.unwrap_model(model).state_dict())
+    out["plain_keys"] = sorted(model_and_opt()[0].state_dict())
+    if acc.is_main_process:
+        from safetensors.torch import load_file
+
+        out["saved_keys"] = sorted(load_file(str(ckpt / "model.safetensors")))
+
+
+def resume(out: dict[str, Any], ckpt: Path) -> None:
+    acc = fresh_accelerator()
+    model, opt = setup(acc, "helper", budget=LOSSLESS)
+    acc.load_state(str(ckpt))
+    out["loaded_param_checksum"] = flat(model.parameters()).sum().item()
+    out["resumed_losses"] = steps(acc, model, opt, range(K, K + 2))
+    out["resume_plan"] = plan_info(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["count", "train", "resume"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--expect", type=int, default=2)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("zoomem").setLevel(logging.INFO)  # the test reads the re-measurement lines
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    acc = Accelerator()
+    out["num_processes"] = za.check_processes(acc, args.expect)
+    if args.mode == "train":
+        lossless(out)
+        compress(out)
+        bf16(out)
+        trainer(out, args.out / "trainer")
+        save(out, args.out / "ckpt")
+    elif args.mode == "resume":
+        resume(out, args.out / "ckpt")
+    rank = int(os.environ.get("RANK", "0"))
+    (args.out / f"{args.mode}-rank{rank}.json").write_text(json.dumps(out))
+    print(f"zoomem launch check {args.mode}: rank {rank} done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
