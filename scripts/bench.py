@@ -44,13 +44,17 @@ import datetime as _dt
 import json
 import logging
 import os
-import platform
 import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from zoomem.benchtools import (  # shared with zoomem.maxbatch
+    Alarm as _Alarm, exc_text as _exc_text, git_info as _git_info, grid as _grid, machine_info,
+    machine_line as _machine_line, median as _median, result_head as _result_head, train_step as _train_step,
+)
 
 logger = logging.getLogger("bench")
 
@@ -88,56 +92,6 @@ BASELINE_SIZES: dict[str, BenchSize] = {
 }
 """Default ``baseline`` sizes: the real layouts (timm defaults with 1000 classes, the catalogue's HF layouts and
 PyG constructor defaults), at batch sizes a 2-core CPU steps in seconds."""
-
-
-# -- machine ----------------------------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    return {
-        "processor": platform.processor(),
-        "cpu_model": _cpu_model(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _git_info() -> dict[str, Any]:
-    """The repository's HEAD and whether zoomem/ or scripts/ differ from it (``{}`` outside a git checkout)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=20)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "zoomem", "scripts"], cwd=root,
-                               capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    if head.returncode != 0:
-        return {}
-    return {"commit": head.stdout.strip(), "dirty": [line[3:] for line in dirty.stdout.splitlines()]}
-
-
-def _machine_line(m: dict[str, Any]) -> str:
-    cpu = m["cpu_model"] or m["processor"] or m["machine"]
-    return f"{cpu} ({m['machine']}), {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}"
 
 
 # -- baseline ---------------------------------------------------------------------------------------------------
@@ -359,12 +313,6 @@ TARGET_SOLVE_S = 10.0
 TARGET_A_MODELS = ("timm/resnet50", "hf/bert-base-uncased")
 
 
-def _median(xs: Sequence[float]) -> float:
-    import statistics
-
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
 def _opt_state_bytes(optimizer: Any, model: Any) -> int:
     """What ``zoomem.plan(optimizer=...)`` counts: the optimizer's state, or Adam's 2x parameters before step 1."""
     import torch
@@ -503,39 +451,6 @@ def _native_switch(model: Any, adapter: Any):
     return enter, leave
 
 
-def _train_step(model: Any, batch: Any, loss_fn: Any, optimizer: Any) -> None:
-    output = batch.call(model)
-    loss = loss_fn(output, batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-class _Alarm:
-    """Raise TimeoutError in the main thread after ``seconds`` (no-op where SIGALRM is missing)."""
-
-    def __init__(self, seconds: float, what: str) -> None:
-        self.seconds, self.what = seconds, what
-
-    def _fire(self, *_: Any) -> None:
-        raise TimeoutError(f"{self.what} did not finish in {self.seconds:.0f} s")
-
-    def __enter__(self) -> "_Alarm":
-        import signal
-
-        if hasattr(signal, "SIGALRM") and self.seconds > 0:
-            self._old = signal.signal(signal.SIGALRM, self._fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import signal
-
-        if hasattr(signal, "SIGALRM") and self.seconds > 0:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._old)
-
-
 def _time_interleaved(methods: Sequence[_Method], batch: Any, warmup: int, steps: int,
                       say: Callable[[str], None]) -> list[float]:
     """Time ``methods`` interleaved: one training step of each per round, the order rotated every round, the
@@ -574,11 +489,6 @@ def _meter_each(methods: Sequence[_Method], batch: Any) -> None:
             m.report = measure_step(m.model, batch, m.loss_fn, m.optimizer)
         finally:
             m.leave()
-
-
-def _exc_text(exc: BaseException) -> str:
-    """``Type: first line of the message``, at most 300 characters."""
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def _compile_method(model: Any, adapter: Any, batch: Any, budget: float, timeout: float) -> _Method:
@@ -991,19 +901,6 @@ def sweep_table(result: dict[str, Any], markdown: bool) -> str:
     return _grid(heads, cells, markdown)
 
 
-def _grid(heads: Sequence[str], cells: Sequence[Sequence[str]], markdown: bool, left: int = 2) -> str:
-    """A table: markdown, or aligned text; the first ``left`` columns left-aligned, the others right-aligned."""
-    if markdown:
-        lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * left + "---:|" * (len(heads) - left)]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
-    fmt = lambda row: "  ".join(  # noqa: E731
-        (v.ljust(w) if i < left else v.rjust(w)) for i, (v, w) in enumerate(zip(row, widths))
-    )
-    return "\n".join([fmt(heads), fmt(["-" * w for w in widths])] + [fmt(c) for c in cells])
-
-
 def _model_head(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['id']}: FAILED: {r['error']}"
@@ -1196,12 +1093,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     machine = machine_info()
     targets = evaluate_targets(results, solve)
     payload = {
-        "benchmark": "sweep",
-        "command": command,
-        "date": started.isoformat(timespec="seconds"),
-        "machine": machine,
-        "git": git_info,
-        "wall_s": wall,
+        **_result_head("sweep", command, started, wall, git_info, machine),
         "settings": {
             "quick": args.quick,
             "seed": args.seed,
@@ -1777,12 +1669,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     def payload(results: list[dict[str, Any]], partial: bool) -> dict[str, Any]:
         return {
-            "benchmark": "compress",
-            "command": command,
-            "date": started.isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "git": git_info,
-            "wall_s": time.perf_counter() - t0,
+            **_result_head("compress", command, started, time.perf_counter() - t0, git_info),
             "partial": partial,
             "settings": {
                 "quick": args.quick,

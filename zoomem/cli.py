@@ -1,4 +1,5 @@
-"""The ``zoomem`` command: ``zoomem trace|plan <model-id>``, ``zoomem demo``, ``zoomem models``."""
+"""The ``zoomem`` command: ``zoomem demo``, ``zoomem max-batch|trace|plan <model-id>``, ``zoomem models``,
+``zoomem bench``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODELS = ("timm/resnet50", "hf/bert-base-uncased")
+DEMO_ARGV = ("hf/bert-base-uncased", "--set", "num_hidden_layers=6", "--set", "hidden_size=128", "--set",
+             "num_attention_heads=4", "--set", "intermediate_size=512", "--set", "vocab_size=8192", "--seq-len", "32",
+             "--budget", "48MiB", "--methods", "pytorch", "checkpoint", "lossless", "L2", "auto", "--time-steps", "1",
+             "--threads", "1")
+"""``zoomem demo``: the max-batch search it runs. A 6-layer BERT 128 wide (vocabulary 8192) at sequence length 32:
+a probe takes seconds on one CPU thread, and its activations, not its parameters, fill the budget. One torch thread
+so that a shared or busy machine does not slow it down further; `compile` is left out (minutes of compilation)."""
 
 
 def _parse_value(text: str) -> Any:
@@ -101,6 +108,36 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_max_batch(args: argparse.Namespace) -> int:
+    from . import maxbatch
+
+    return maxbatch.main(args, maxbatch.command_line("zoomem max-batch", args.argv[1:]))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import maxbatch
+
+    argv = ["max-batch", *DEMO_ARGV] + (["--markdown"] if args.markdown else [])
+    print(f"zoomem demo = {maxbatch.command_line('zoomem', argv)}\n", flush=True)
+    sub = build_parser().parse_args(argv)
+    return maxbatch.main(sub, maxbatch.command_line("zoomem", argv))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``scripts/bench.py`` lives in the repository, not in the installed package: run it from the checkout (its
+    tables read the checkout's git state, and its sizes are the repository's benchmark record)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+    if not script.exists():
+        print("zoomem bench: scripts/bench.py is not here; it ships with the source checkout "
+              "(git clone the repository, `pip install -e .`, then `zoomem bench ...`).", file=sys.stderr)
+        return 2
+    bench = runpy.run_path(str(script), run_name="zoomem_bench")
+    return int(bench["main"](list(args.bench_args)))
+
+
 def _add_size_flags(p: argparse.ArgumentParser, default_batch: int) -> None:
     p.add_argument("--batch", type=int, default=default_batch, help="batch size (graphs: scales the node count)")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="sequence length (HF text models)")
@@ -129,10 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the operator graph as JSON")
     p.set_defaults(func=cmd_trace)
 
-    p = sub.add_parser("demo", help=f"trace {' and '.join(DEMO_MODELS)} (built from config) and print their tables")
-    _add_size_flags(p, default_batch=8)
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_trace, model=list(DEMO_MODELS))
+    p = sub.add_parser("demo", help="find each method's largest batch within a budget on a small BERT (CPU, "
+                       "minutes) and print the comparison; `zoomem trace` prints the per-unit tables")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.set_defaults(func=cmd_demo)
+
+    from . import maxbatch
+
+    p = sub.add_parser("max-batch", help="each method's largest batch (or width, depth, resolution, sequence "
+                       "length) within a memory budget, every probe a real training step")
+    maxbatch.add_arguments(p)
+    p.set_defaults(func=cmd_max_batch)
+
+    p = sub.add_parser("bench", add_help=False, help="run scripts/bench.py (needs the source checkout): baseline, "
+                       "sweep, compress")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="scripts/bench.py's arguments")
+    p.set_defaults(func=cmd_bench)  # main() hands everything after `bench` over unparsed (its --help included)
 
     p = sub.add_parser("plan", help="plan a training step under a memory budget and print the plan")
     p.add_argument("model", help="model id: timm/resnet50, hf/bert-base-uncased, pyg/gcn, ...")
@@ -156,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
