@@ -9,7 +9,7 @@ step. Examples:
     python scripts/max_batch_size.py pyg/gcn --budget 256MiB --methods pytorch lossless L2 --resume \\
         --out /tmp/gcn.json                       # a killed run picks up where it stopped
     python scripts/max_batch_size.py hf/bert-base-uncased --dim depth --batch 8 --budget 2GiB
-    python scripts/max_batch_size.py --render benchmarks/maxbatch_resnet50.json --markdown
+    python scripts/max_batch_size.py --render benchmarks/maxbatch_*.json --markdown   # tables again, no run
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ from zoomem import maxbatch
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--render"]:  # print the tables of a result JSON again; run nothing
+    if argv[:1] == ["--render"]:  # print the tables of result JSONs again (and, for several, the goals); run nothing
         render = argparse.ArgumentParser(prog="max_batch_size.py --render")
-        render.add_argument("json")
+        render.add_argument("json", nargs="+")
         render.add_argument("--markdown", action="store_true")
         args = render.parse_args(argv[1:])
-        print(maxbatch.format_results(json.loads(Path(args.json).read_text()), args.markdown))
+        datas = [json.loads(Path(p).read_text()) for p in args.json]
+        print("\n\n".join(maxbatch.format_results(d, args.markdown) for d in datas))
+        if len(datas) > 1:
+            print("\n" + maxbatch.format_goal_summary(datas, args.markdown))
         return 0
     parser = argparse.ArgumentParser(prog="max_batch_size.py", description=__doc__.split("\n\n")[0],
-                                     epilog="--render JSON [--markdown] prints a saved result's tables again")
+                                     epilog="--render JSON [JSON ...] [--markdown] prints saved results' tables again")
     maxbatch.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)

@@ -192,3 +192,7 @@ def test_cli_max_batch_writes_json_log_png_and_renders(tmp_path: Path, capsys: p
 
     demo = build_parser().parse_args(["max-batch", *DEMO_ARGV])  # what `zoomem demo` runs parses
     assert demo.model == "hf/bert-base-uncased" and demo.budget == "48MiB"
+
+    with pytest.raises(SystemExit) as exit_:  # `zoomem bench ...` is scripts/bench.py, flags untouched
+        main(["bench", "--help"])
+    assert exit_.value.code == 0 and "baseline" in capsys.readouterr().out

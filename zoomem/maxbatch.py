@@ -17,9 +17,13 @@ at that size:
 3. when it fits, ``time_steps`` timed steps (no meter), for the step time at that size.
 
 ``zoomem.InfeasibleBudgetError`` (no plan for this size within the budget) and an out-of-memory error count as
-"does not fit"; any other error stops that method's search and is reported. The search per method doubles from a
-start value (PyTorch's own maximum for the other methods) until a probe fails or ``cap`` is reached, then bisects
-between the largest fitting and the smallest failing value until they are adjacent (or within ``rtol``). Every
+"does not fit"; any other error stops that method's search and is reported. On CPU with one torch thread each
+probe runs in a forked child process (:attr:`SearchConfig.isolate`), so that nothing a probe leaks outlives it.
+
+The search per method (:func:`search_max`) doubles from a start value (plain PyTorch's own maximum for the other
+methods) until a probe fails or ``cap`` is reached, then narrows the bracket between the largest fitting and the
+smallest failing value until they are adjacent (or within ``rtol``): by bisection, every other round replaced by
+a probe where a straight line through the two ends' measured peaks crosses the budget, and its neighbour. Every
 probe is appended to a JSONL log as it finishes, so a long run resumes (``resume=True`` reuses the records of
 the same model, sizes, method, budget and dimension).
 
@@ -57,6 +61,7 @@ __all__ = [
     "SearchConfig",
     "Workload",
     "add_arguments",
+    "format_goal_summary",
     "format_results",
     "get_method",
     "parse_budget_text",
@@ -109,6 +114,8 @@ class Workload:
     overrides: dict[str, Any] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     batch_size: int = 4
+    step: int = field(init=False)
+    _at: Callable[[int], Setting] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dim not in DIMS:
@@ -822,7 +829,7 @@ def _goals(rows: list[dict[str, Any]], dim: str) -> list[dict[str, Any]]:
                      best_value=None if best is None else best["max_value"],
                      best_overhead=None if best is None else best["overhead"],
                      met=best is not None and best["max_value"] >= peer["max_value"])
-        largest = max(zoomem_rows, key=lambda r: r["max_value"], default=None)
+        largest = max(zoomem_rows, key=lambda r: (r["max_value"], -r["overhead"]), default=None)
         if largest is not None:
             entry.update(largest=largest["method"], largest_value=largest["max_value"],
                          largest_overhead=largest["overhead"])
@@ -1025,6 +1032,35 @@ def format_goals(goals: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_goal_summary(datas: Sequence[dict[str, Any]], markdown: bool = False) -> str:
+    """One row per result: each goal's verdict and by how much (several searches, e.g. BENCHMARKS.md's)."""
+    heads = ["model", "budget", "PyTorch's max", *(f"{m} (goal {t:g}x)" for m, t in GOALS.items()),
+             "vs checkpoint", "vs compile"]
+    cells = []
+    for d in datas:
+        by = {r["method"]: r for r in d["results"]}
+        goals = d.get("goals", [])
+        row = [d["settings"]["model"], f"{d['settings']['budget_bytes'] / MIB:.0f} MiB",
+               str(by["pytorch"]["max_value"]) if "pytorch" in by else "—"]
+        for name in GOALS:
+            g = next((g for g in goals if g.get("method") == name), None)
+            row.append("—" if g is None else f"{g['ratio']:.2f}x " + (
+                "MET" if g["met"] else f"NOT MET (-{g['target_ratio'] - g['ratio']:.2f}x)"))
+        for peer in ("checkpoint", "compile"):
+            g = next((g for g in goals if g.get("peer") == peer), None)
+            if g is None or g["met"] is None:
+                row.append("—" if g is None else "not judged")
+            elif g["best"] is None:
+                row.append(f"NOT MET: {peer} {g['peer_value']} at {g['peer_overhead']:.2f}x, no zoomem method as "
+                           "fast")
+            else:
+                row.append(("MET" if g["met"] else f"NOT MET (-{g['peer_value'] - g['best_value']})")
+                           + f": {g['best']} {g['best_value']} at {g['best_overhead']:.2f}x vs {g['peer_value']} at "
+                             f"{g['peer_overhead']:.2f}x")
+        cells.append(row)
+    return grid(heads, cells, markdown, left=1)
+
+
 def plot_results(data: dict[str, Any], path: str | Path) -> None:
     """Bars of each method's maximum (labelled with its multiple of PyTorch's) and of its time overhead."""
     import matplotlib
@@ -1054,7 +1090,10 @@ def plot_results(data: dict[str, Any], path: str | Path) -> None:
     ax2.set_ylabel("time per sample / PyTorch's" if s["dim"] == "batch" else "step time / PyTorch's")
     ax2.tick_params(axis="x", labelsize=8, rotation=20)
     ax2.grid(axis="y", alpha=0.3)
-    fig.suptitle((data.get("command") or "") + "\n" + machine_line(data["machine"]), fontsize=7.5)
+    import textwrap
+
+    head = textwrap.fill(data.get("command") or "", 160, subsequent_indent="    ")
+    fig.suptitle(head + "\n" + machine_line(data["machine"]), fontsize=7.5)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
