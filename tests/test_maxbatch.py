@@ -122,14 +122,15 @@ def test_resume_skips_recorded_probes(gcn_search: dict, tmp_path: Path) -> None:
 
 
 def test_a_probe_that_dies_is_an_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probes run in a forked child on CPU with one thread: a child killed (out of host memory) stops that
-    method's search with an error; the comparison goes on."""
+    """With --isolate, probes run in a forked child on CPU with one thread: a child killed (out of host memory)
+    stops that method's search with an error; the comparison goes on. (The child here uses no OpenMP, so it cannot
+    hang even when the test process has a multi-threaded pool.)"""
     import os
     import signal
 
     monkeypatch.setattr(maxbatch, "run_probe", lambda *a: os.kill(os.getpid(), signal.SIGKILL))
     w = Workload("pyg/gcn", overrides=dict(GCN))
-    rec = maxbatch.probe(w, maxbatch.METHODS["pytorch"], 3, BUDGET, SearchConfig())
+    rec = maxbatch.probe(w, maxbatch.METHODS["pytorch"], 3, BUDGET, SearchConfig(isolate=True))
     assert rec["fits"] is None and "exit code -9" in rec["error"] and rec["value"] == 3
 
 

@@ -277,9 +277,10 @@ class SearchConfig:
     time_limit: float = 10.0
     compile_budget: float = 0.5
     compile_timeout: float = 600.0
-    isolate: bool = True
-    """Run each probe in a forked child process where that is safe (CPU, one torch thread: GNU OpenMP hangs in a
-    child forked from a multi-threaded parent; not ``compile``, whose graphs are reused across probes as they are
+    isolate: bool = False
+    """Run each probe in a forked child process where that is safe (CPU, one torch thread, and no multi-threaded
+    OpenMP pool created earlier in this process: GNU OpenMP hangs in a child forked from such a parent, which is
+    why it is opt-in, for a fresh command-line process; not ``compile``, whose graphs are reused across probes as they are
     across a training run's steps): whatever a probe leaves behind (zoomem leaks a graph per plan on models
     whose sensitivities cannot be measured, such as timm ViTs on CPU) dies with the child."""
 
@@ -1139,9 +1140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-timeout", dest="compile_timeout", type=float, default=600.0,
                    help="give up on a torch.compile first step after this many seconds (default: %(default)s)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="zoomem's solver seconds")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
-                   help="run each probe in a forked child process on CPU with one torch thread, so that what a "
-                   "probe leaks dies with it (default: %(default)s)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="run each probe in a forked child process on CPU with one torch thread (--threads 1), so "
+                   "that what a probe leaks dies with it; only in a fresh process (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the result JSON here (and its probes to OUT.probes.jsonl)")
     p.add_argument("--plot", help="write the bar chart PNG here (default with --out: OUT with .png)")
