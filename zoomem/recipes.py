@@ -386,7 +386,8 @@ def plan_info(model: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def finish(accelerator: Accelerator, summary: dict[str, Any], output_dir: Path) -> dict[str, Any]:
-    """Print the summary as JSON and write ``<output_dir>/summary.json`` (main process); return it."""
+    """Print the summary as JSON and write ``<output_dir>/summary.json`` (main process), end training on every
+    rank (the process group is destroyed); return the summary."""
     summary = {
         **summary,
         "num_processes": accelerator.num_processes,
@@ -401,4 +402,8 @@ def finish(accelerator: Accelerator, summary: dict[str, Any], output_dir: Path) 
         (output_dir / "summary.json").write_text(text + "\n")
         print(text, flush=True)
         logger.info("summary written to %s", output_dir / "summary.json")
+    # every rank leaves the process group together: a gloo group still alive at interpreter exit can abort a rank
+    # ("terminate called without an active exception") after the run itself succeeded
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
     return summary
