@@ -26,6 +26,7 @@ __all__ = ["SAFETY_MARGIN", "STRATEGIES", "make_plan", "min_feasible_budget"]
 
 logger = logging.getLogger(__name__)
 _MIB = 1024**2
+_PER_MIB = 1.0 / _MIB
 
 
 Choice = tuple[dict[str, Decision], frozenset[str], dict[str, int]]
@@ -170,9 +171,12 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 c[u].setInitialValue(1 if u in warm[1] else 0)
     keep = lambda seg: x[model.units[seg - 1], Decision.KEEP]  # noqa: E731
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP), 0)  # noqa: E731
-    h: dict[int, pulp.LpVariable] = {}
+    h: dict[int, pulp.LpVariable | int] = {}
     for s in model.storages:
         if s.pinned:
+            continue
+        if s.savers & s.input_of:  # saved by a unit that also takes it as input: held whatever that unit does
+            h[s.sid] = 1  # (a constant, not h >= keep and h >= 1 - keep, whose LP relaxation frees half of it)
             continue
         v = h[s.sid] = pulp.LpVariable(f"h_{s.sid}", 0, 1)
         for seg in s.savers:
@@ -221,7 +225,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= pulp.lpSum(gains)
             if p.phase != "forward" and p.seg in unpacked:
                 expr += unpacked[p.seg]
-        prob += expr <= (peak if peak is not None else limit - model.fixed_bytes)
+        # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
+        prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     time_cost = pulp.lpSum(
         x[u, d] * (model.recompute_s[u] if d == Decision.RECOMPUTE else model.recompute_cheap_s[u])
         for (u, d) in x
@@ -275,7 +280,10 @@ def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.
     bound = pulp.value(relaxed.objective) if pulp.LpStatus[relaxed.status] == "Optimal" else None
     if status != "Optimal":
         return None, {"solver": name, "status": status, "lp_bound": bound}
-    return _decode(model, xc), {"solver": name, "status": status.lower(), "lp_bound": float(bound) if bound is not None else None}
+    # PuLP reports a run stopped by the time limit with an incumbent as "Optimal"; its solution status tells
+    proven = prob.sol_status == pulp.constants.LpSolutionOptimal
+    return _decode(model, xc), {"solver": name, "status": "optimal" if proven else "feasible (time limit)",
+                                "lp_bound": float(bound) if bound is not None else None}
 
 
 STRATEGIES: dict[str, Callable[[CostModel, int | None], Choice]] = {

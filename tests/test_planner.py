@@ -1,0 +1,82 @@
+"""The ILP planner on real traced steps: optimal against brute force, shared costs of identical units."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import zoomem
+from zoomem import zoo
+from zoomem.planner import CostModel, Decision, make_plan
+from zoomem.planner.solve import _decisions_ilp
+
+
+@pytest.fixture(scope="module")
+def bert_costs() -> CostModel:
+    """A 4-layer BERT step (the small zoo variant, deeper): four structurally identical units."""
+    torch.manual_seed(0)
+    model, adapter = zoo.build("hf/bert-base-uncased", **{**zoo.small_overrides("hf/bert-base-uncased"),
+                                                         "num_hidden_layers": 4})
+    batch = adapter.example_batch(model, 8, seq_len=128)
+    graph = zoomem.trace(model, batch, adapter=adapter)
+    return CostModel.from_graph(graph)
+
+
+def _choices(costs: CostModel) -> list[dict[str, Decision]]:
+    per_unit = []
+    for u in costs.units:
+        ds = [Decision.KEEP, Decision.RECOMPUTE]
+        if costs.recompute_cheap_s[u] < costs.recompute_s[u]:
+            ds.append(Decision.RECOMPUTE_CHEAP)
+        per_unit.append(ds)
+    return [dict(zip(costs.units, combo)) for combo in itertools.product(*per_unit)]
+
+
+def test_identical_units_share_their_costs(bert_costs: CostModel) -> None:
+    assert len(bert_costs.units) == 4
+    assert len(set(bert_costs.recompute_s.values())) == 1  # one median for the four identical layers
+    assert len(set(bert_costs.recompute_cheap_s.values())) == 1
+
+
+def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
+    """For every budget between the floor and plain PyTorch, the ILP's recompute time equals the best of all
+    3^4 unit decisions that fit (compact forms off: none are measured in a bare trace)."""
+    costs = bert_costs
+    everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
+    floor = min(p for _, p, _ in everything)
+    top = max(p for _, p, _ in everything)
+    assert floor < 0.8 * top  # recomputation matters at this size: the budgets below differ
+    for frac in (0.0, 0.25, 0.5, 0.75, 0.95):
+        budget = int(floor + frac * (top - floor))
+        best = min(t for _, p, t in everything if p <= budget)
+        choice, info = _decisions_ilp(costs, budget)
+        assert choice is not None and info["status"] == "optimal", info
+        decisions = choice[0]
+        assert costs.peak(decisions) <= budget
+        assert costs.recompute_time(decisions) == pytest.approx(best, rel=1e-6, abs=1e-9), (frac, decisions)
+
+
+def test_plan_reports_its_solver_status_and_bound(bert_costs: CostModel) -> None:
+    baseline = bert_costs.peak({u: Decision.KEEP for u in bert_costs.units})
+    plan = make_plan(bert_costs, int(baseline * 0.8))
+    assert plan.status == "optimal"
+    assert plan.lp_bound is not None and plan.lp_bound <= plan.recompute_s + 1e-6
+    assert plan.predicted_peak_bytes <= int(baseline * 0.8)
+
+
+def test_minimum_budget_error_names_a_budget_that_works(bert_costs: CostModel) -> None:
+    with pytest.raises(zoomem.InfeasibleBudgetError) as err:
+        make_plan(bert_costs, 1)
+    smallest = err.value.min_budget
+    assert f"{smallest / 1024**2:.1f} MiB" in str(err.value)
+    plan = make_plan(bert_costs, smallest)
+    assert plan.predicted_peak_bytes <= smallest
+
+
+def test_group_sharing_uses_the_median() -> None:
+    from zoomem.planner.costs import _share_by_group
+
+    shared = _share_by_group({"a": 1.0, "b": 3.0, "c": 2.0, "d": 9.0}, {"a": 0, "b": 0, "c": 0, "d": 1})
+    assert shared == {"a": 2.0, "b": 2.0, "c": 2.0, "d": 9.0}
