@@ -189,7 +189,11 @@ class SavedTensorStore:
                 base = hit[2] if earlier is not None else view.view_of[0].key  # type: ignore[union-attr,index]
                 self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
             return earlier if earlier is not None else view  # type: ignore[return-value]
-        packed = _Packed(t, key=key, store=self) if self.record else _Packed(t)
+        # the data only: autograd re-attaches the saved tensor's grad_fn on unpack, and a packed object holding
+        # ``t`` itself closes a cycle through C++ (node -> saved -> t -> node) that Python's collector cannot see:
+        # a graph never backpropagated (an exception, a forward without backward) would then leak
+        data = t.detach()
+        packed = _Packed(data, key=key, store=self) if self.record else _Packed(data)
         bits = self.bits.get(key)
         reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
         if bits and reason is None:
