@@ -93,6 +93,8 @@ class OpGraph:
         timeline: the plain step's measured memory, segment by segment (empty when not measured).
         timeline_compact: the same with every memory-efficient implementation the runtime would use installed
             (units ``compact_units``); filled by the runtime when it plans.
+        compact_recompute_units: those of ``compact_units`` whose compact forms all run inside the unit, so a
+            recomputation of the unit runs them again (not a form wrapping the unit's own forward).
     """
 
     model: str
@@ -111,6 +113,7 @@ class OpGraph:
     timeline: list[SegmentStat] = field(default_factory=list)
     timeline_compact: list[SegmentStat] = field(default_factory=list)
     compact_units: list[str] = field(default_factory=list)
+    compact_recompute_units: list[str] = field(default_factory=list)
 
     # ----------------------------------------------------------------- derived figures
     @property

@@ -67,6 +67,8 @@ class CostModel:
     """Per unit with compact implementations: bytes they take off (held after its forward, its forward's
     own rise, its backward's own rise), measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
+    compact_recompute: frozenset[str] = frozenset()
+    """Units whose compact forms may also run in a recomputed unit (they run inside the checkpoint)."""
     saved: list[SavedInfo] = field(default_factory=list)
     """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
     saved_seg: list[int] = field(default_factory=list)
@@ -224,6 +226,7 @@ class CostModel:
             step_s=sum(t.time_s for t in graph.timeline),
             compact_saving=compact_saving,
             compact_s=compact_s,
+            compact_recompute=frozenset(graph.compact_recompute_units) & frozenset(compact_saving),
         )
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float]) -> None:

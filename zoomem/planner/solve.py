@@ -60,7 +60,8 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
         for u in model.units:
             if decisions[u] == Decision.KEEP:
                 moves += [(u, Decision.RECOMPUTE_CHEAP), (u, Decision.RECOMPUTE)]
-            if u in model.compact_saving and u not in compact and decisions[u] == Decision.KEEP:
+            if u in model.compact_saving and u not in compact and (
+                    decisions[u] == Decision.KEEP or decisions[u] == Decision.RECOMPUTE and u in model.compact_recompute):
                 moves.append((u, None))  # None: switch on the unit's compact implementations
         for u, d in moves:
             if d is None:
@@ -69,7 +70,8 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
                 cost = model.recompute_time({u: d})
                 if cost == float("inf"):
                     continue
-                trial_d, trial_c = dict(decisions, **{u: d}), compact - {u}
+                trial_d = dict(decisions, **{u: d})
+                trial_c = compact if d == Decision.RECOMPUTE and u in model.compact_recompute else compact - {u}
             p = model.peak(trial_d, trial_c)
             score = (peak - p) / (cost + 1e-9)
             if p < peak and score > best_score:
@@ -164,7 +166,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             prob += y[u] <= x[u, Decision.KEEP]
             prob += z[u] <= c[u]
             prob += z[u] <= 1 - x[u, Decision.KEEP]
-            prob += c[u] <= x[u, Decision.KEEP]  # measured on kept units only: no claim for recomputed ones
+            # kept units, and fully recomputed ones whose compact forms run inside the checkpoint (its
+            # recomputation runs them again); never RECOMPUTE_CHEAP, whose cached outputs they would change
+            prob += c[u] <= x[u, Decision.KEEP] + (x[u, Decision.RECOMPUTE] if u in model.compact_recompute else 0)
             prob += y[u] >= c[u] + x[u, Decision.KEEP] - 1  # exact products: a gain can be negative (a cost)
             prob += z[u] >= c[u] - x[u, Decision.KEEP]
             if warm is not None:

@@ -273,6 +273,9 @@ def _make(
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
+        modules = {u.name: u.module for u in units}
+        graph.compact_recompute_units = [u for u in graph.compact_units
+                                         if all(mod is not modules.get(u) for mod, _ in chosen[u])]
     if handle is not None:
         handle.last_graph = graph
         if not handle.impl_undos and any(chosen.values()):
