@@ -163,6 +163,13 @@ class _Handle:
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
+        if new.bits and new.variance > NOISY_VARIANCE:
+            _log_rank0(
+                "zoomem: the plan's lossy storage adds gradient noise of %.2f times the squared gradient norm (%s); "
+                "training may diverge (fixed 2-bit L1.2 did on 1 of 5 digit seeds). An adaptive level (L2, L2.1, "
+                "L2.2) or compress='auto' spends the bits where this noise comes from.", new.variance,
+                new.level or "auto", level=logging.WARNING,
+            )
         recomputed = sum(u.decision != Decision.KEEP for u in new.units)
         _log_rank0(
             "zoomem: planned %s for a new input signature: %d of %d units recomputed, predicted peak %.1f MiB "
@@ -225,11 +232,16 @@ def _decode_plan(text: str, local: Plan | None) -> Plan:
     return plan
 
 
-def _log_rank0(msg: str, *args: Any) -> None:
+NOISY_VARIANCE = 0.1
+"""Predicted relative gradient variance above which a plan warns: the noise's norm is a third of the gradient's
+(fixed 2-bit L1.2 on a small ResNet predicts 0.73 and diverged in 1 of 5 seeds at SGD lr 0.1; L2 predicts 4e-4)."""
+
+
+def _log_rank0(msg: str, *args: Any, level: int = logging.INFO) -> None:
     import torch.distributed as dist
 
     if world_size() == 1 or dist.get_rank() == 0:
-        logger.info(msg, *args)
+        logger.log(level, msg, *args)
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
