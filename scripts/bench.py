@@ -284,10 +284,13 @@ SWEEP_SIZES: dict[str, BenchSize] = {
     "hf/bert-base-uncased": BenchSize(4, {"seq_len": 512}, {"num_hidden_layers": 4}),
     "hf/gpt2": BenchSize(2, {"seq_len": 512}, {"n_layer": 4}),
     "pyg/gcn": BenchSize(1, {"num_nodes": 100_000, "num_edges": 1_000_000}),
+    "timm/vit_tiny_patch16_224": BenchSize(32, _IMG224),
+    "hf/bert-large-uncased": BenchSize(2, {"seq_len": 512}, {"num_hidden_layers": 4}),
 }
 """Default ``sweep`` sizes: batches at which activations are most of plain PyTorch's forward+backward peak while
-one step stays within seconds on a 2-core CPU. The two HF layouts keep 4 of their 12 layers (hidden sizes, heads,
-vocabularies as released) so that a step at sequence length 512 fits that time."""
+one step stays within seconds on a 2-core CPU. The HF layouts keep 4 of their layers (12 for BERT-base and GPT-2,
+24 for BERT-large; hidden sizes, heads, vocabularies as released) so that a step at sequence length 512 fits that
+time. ResNet-50, BERT-base, GPT-2 and the GCN are issue 3's models; ViT and BERT-large complete issue 6's set."""
 
 _FULL_LAYERS = {"hf/bert-base-uncased": ("num_hidden_layers", 12), "hf/gpt2": ("n_layer", 12),
                 "hf/bert-large-uncased": ("num_hidden_layers", 24)}
@@ -333,14 +336,12 @@ class _CostsPlanner:
     """
 
     def __init__(self, model: Any, batch: Any, adapter: Any, loss_fn: Any, optimizer: Any, time_limit: float):
-        import zoomem
-        from zoomem.planner import CostModel, Decision
+        from zoomem.planner import Decision
+        from zoomem.runtime.wrap import cost_model
 
-        t0 = time.perf_counter()
-        graph = zoomem.trace(model, batch, adapter=adapter, loss_fn=loss_fn)
+        t0 = time.perf_counter()  # the trace, and the step once more with the compact implementations on
+        self.costs, self.chosen, _ = cost_model(model, batch, adapter, None, loss_fn)
         self.trace_s = time.perf_counter() - t0
-        self.costs = CostModel.from_graph(graph)
-        del graph
         self.costs.fixed_bytes += _opt_state_bytes(optimizer, model)
         self.baseline = self.costs.peak({u: Decision.KEEP for u in self.costs.units})
         self.time_limit = time_limit
@@ -395,6 +396,7 @@ def _plan_info(plan: Any) -> dict[str, Any]:
         "units": len(plan.units),
         "recomputed": sum(u.decision == Decision.RECOMPUTE for u in plan.units),
         "recomputed_cheap": sum(u.decision == Decision.RECOMPUTE_CHEAP for u in plan.units),
+        "compact": sum(bool(u.compact) for u in plan.units),
     }
 
 
@@ -420,17 +422,23 @@ class _Method:
     error: str | None = None
 
 
-def _zoomem_switch(model: Any, plan: Any, batch: Any, adapter: Any, optimizer: Any, loss_fn: Any):
-    """``enter``/``leave`` that wrap the model with a plan made beforehand (no re-trace) and unwrap it."""
+def _zoomem_switch(model: Any, plan: Any, batch: Any, adapter: Any, optimizer: Any, loss_fn: Any,
+                   chosen: Any = None):
+    """``enter``/``leave`` that wrap the model with a plan made beforehand (no re-trace) and unwrap it;
+    ``chosen``: the planner's compact implementations, installed behind the plan's switches as wrap does."""
     import zoomem
     from zoomem.batch import Batch
+    from zoomem.runtime.wrap import install_impls
 
     sig = (Batch(batch.args, batch.kwargs).signature(), True)  # the key wrap's plan cache uses in training mode
 
     def enter() -> None:
         zoomem.wrap(model, plan.budget_bytes, strategy=plan.strategy, adapter=adapter, optimizer=optimizer,
                     loss_fn=loss_fn)
-        model.__dict__["_zoomem"].plans[sig] = plan
+        handle = model.__dict__["_zoomem"]
+        if chosen:
+            install_impls(handle, chosen)
+        handle.plans[sig] = plan
 
     def leave() -> None:
         plans = model.__dict__["_zoomem"].plans
@@ -591,7 +599,7 @@ def sweep_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
         p = planner.plan(None, "all")
         native.label = f"full checkpointing ({adapter.name} has none: zoomem `all`)"
         native.plan, native.info = p, _plan_info(p)
-        native.enter, native.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn)
+        native.enter, native.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn, planner.chosen)
     methods.append(native)
 
     skipped: list[dict[str, Any]] = []
@@ -613,19 +621,19 @@ def sweep_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
             m.error = f"infeasible: {exc}"
         else:
             m.info = _plan_info(m.plan)
-            m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn)
+            m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn, planner.chosen)
         methods.append(m)
     m = _Method("ilp@min", "zoomem ILP", "zoomem", model, optimizer, loss_fn,
                 budget=f"min ({min_budget / planner.baseline:.0%})", budget_frac=min_budget / planner.baseline)
     m.plan = planner.plan_min()
     m.info = _plan_info(m.plan)
     m.info["min_search_s"] = planner.min_search_s
-    m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn)
+    m.enter, m.leave = _zoomem_switch(model, m.plan, batch, adapter, optimizer, loss_fn, planner.chosen)
     methods.append(m)
     for strategy in ("all", "sqrt"):
         p = planner.plan(None, strategy)
         m = _Method(strategy, f"zoomem `{strategy}`", "zoomem", model, optimizer, loss_fn, plan=p, info=_plan_info(p))
-        m.enter, m.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn)
+        m.enter, m.leave = _zoomem_switch(model, p, batch, adapter, optimizer, loss_fn, planner.chosen)
         methods.append(m)
 
     if args.quick:

@@ -259,6 +259,43 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return 0
 
 
+def cost_model(
+    model: nn.Module,
+    batch: Batch,
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+    graph: OpGraph | None = None,
+    outside: bool = False,
+) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
+    """What every plan of ``model`` on ``batch`` is made from: the traced step, measured once more with every
+    memory-efficient implementation on (what ``compact`` saves per unit, and costs), as a :class:`CostModel`
+    (optimizer state in its fixed bytes), with the implementations chosen per unit (:func:`install_impls`)."""
+    graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
+    units = adapter.units(model)
+    chosen = choose_impls(model, units, batch, outside=outside)
+    if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
+        undo = install_all({u: pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS})
+        try:
+            graph.timeline_compact = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units)
+        finally:
+            undo()
+        graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
+        modules = {u.name: u.module for u in units}
+        graph.compact_recompute_units = [u for u in graph.compact_units
+                                         if all(mod is not modules.get(u) for mod, _ in chosen[u])]
+    costs = CostModel.from_graph(graph)
+    costs.fixed_bytes += _optimizer_state_bytes(optimizer)
+    return costs, chosen, graph
+
+
+def install_impls(handle: "_Handle", chosen: dict[str, list]) -> None:  # type: ignore[type-arg]
+    """Put the chosen implementations behind the wrapped model's per-unit switches (once per wrap)."""
+    if not handle.impl_undos and any(chosen.values()):
+        handle.impl_undos = install_switched(chosen, handle.compact_on)
+        handle.undo.extend(handle.impl_undos)
+
+
 def _make(
     model: nn.Module,
     batch: Batch,
@@ -272,29 +309,13 @@ def _make(
     compress: CompressOptions | None = None,
     level: Level | None = None,
 ) -> Plan:
-    graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
     lossy = (level is not None and level.lossy) or compress is not None
-    chosen = choose_impls(model, units, batch, outside=lossy)
-    if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
-        # measure once with every candidate implementation on: what `compact` saves per unit, and costs
-        undo = install_all({u: pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS})
-        try:
-            graph.timeline_compact = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units)
-        finally:
-            undo()
-        graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
-        modules = {u.name: u.module for u in units}
-        graph.compact_recompute_units = [u for u in graph.compact_units
-                                         if all(mod is not modules.get(u) for mod, _ in chosen[u])]
+    costs, chosen, graph = cost_model(model, batch, adapter, optimizer, loss_fn, graph, outside=lossy)
     if handle is not None:
         handle.last_graph = graph
-        if not handle.impl_undos and any(chosen.values()):
-            handle.impl_undos = install_switched(chosen, handle.compact_on)
-            handle.undo.extend(handle.impl_undos)
-    costs = CostModel.from_graph(graph)
-    costs.fixed_bytes += _optimizer_state_bytes(optimizer)
+        install_impls(handle, chosen)
     baseline = costs.peak({u: Decision.KEEP for u in costs.units})
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
     chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
