@@ -116,3 +116,16 @@ def test_torch_compile_fuses_the_kernel() -> None:
     compiled = torch.compile(_quantize_rows, fullgraph=True, dynamic=False)
     for a, b in zip(compiled(x, noise, 4), _quantize_rows(x, noise, 4)):
         assert torch.allclose(a.float(), b.float(), atol=1 if a.dtype == torch.uint8 else 1e-6)
+
+
+def test_speed_measurement_leaves_the_global_rng_alone() -> None:
+    """The (once per process) speed measurement draws from its own generator: otherwise the same seed gave a
+    different dropout stream, and training, depending on whether an earlier wrap had measured it already."""
+    from zoomem.compress import quantize as q
+
+    q._SPEED.pop(("cpu", 2), None)
+    torch.manual_seed(0)
+    q.seconds_per_byte("cpu", 2)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))

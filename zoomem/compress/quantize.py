@@ -185,13 +185,16 @@ def seconds_per_byte(device: torch.device | str, bits: int) -> float:
     if key not in _SPEED:
         import time
 
-        x = torch.randn(1 << 20, device=device)  # 4 MiB
+        # its own generator: the user's RNG stream (dropout masks) must not depend on whether this ran before
+        # in the process (it is cached); it did, and the same seed gave different trainings
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(1 << 20, device=device, generator=gen)  # 4 MiB
         times = []
         for _ in range(3):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            q = quantize(x, bits)
+            q = quantize(x, bits, generator=gen)
             assert q is not None
             dequantize(q)
             if device.type == "cuda":
