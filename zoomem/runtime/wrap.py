@@ -330,14 +330,37 @@ def _make(
         if lossy:
             new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
         return new
-    new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
+    verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
+    margin = SAFETY_MARGIN
+    try:
+        new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
+    except InfeasibleBudgetError as err:
+        # the margin covers an unmeasured prediction; this path measures, so a plan predicted within the budget
+        # itself gets its chance (the last percent is a batch or two at a device's limit)
+        if not verified:
+            raise
+        assert handle is not None and budget_bytes is not None
+        try:
+            new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=0.0,
+                            compress=compress)
+        except InfeasibleBudgetError:
+            raise err from None
+        if compress is not None:
+            _set_compact(new, chosen_units)
+        measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
+        if measured is None or measured > budget_bytes:
+            raise err from None
+        new.extras.update(measured_peak_bytes=measured, margin=0.0)
+        if compress is not None:
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
+        return new
     if compress is not None:
         _set_compact(new, chosen_units)
         new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
-    if handle is None or budget_bytes is None or strategy not in ("ilp", "greedy"):
+    if not verified:
         return new
+    assert handle is not None and budget_bytes is not None
     # measured peaks are the judge: run the plan once; if it overshoots, plan again with that much less
-    margin = SAFETY_MARGIN
     for _ in range(_VERIFY_ROUNDS):
         measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
         new.extras["measured_peak_bytes"] = measured
