@@ -35,6 +35,13 @@ feasibility figure, not an overhead measure).
 
     python scripts/bench.py compress [--quick] [--models ID ...] [--levels L ...] [--fractions F ...] [--steps 3]
         [--out benchmarks/compress.json] [--markdown]
+
+- ``accuracy``: issue 4's accuracy claim on real data (``zoomem.tasks``: digits, text, graph): per task and seed,
+  plain PyTorch (L0) and each level trained with the same seed and steps; per seed and on the mean over seeds,
+  the level's accuracy minus L0's, judged against the allowed drop (L2 0.5 points, L1.2 2 points).
+
+    python scripts/bench.py accuracy [--quick] [--tasks digits text graph] [--seeds 0 1 2 3 4] [--levels L2 L1.2]
+        [--out benchmarks/accuracy.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -1649,6 +1656,96 @@ def compress_goals_text(g: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# -- accuracy: compressed training against plain PyTorch on real data --------------------------------------------
+
+ACCURACY_ALLOWED = {"L2": 0.5, "L1.2": 2.0}
+"""Issue 4's allowed accuracy drop against L0, in points, per level (other levels are reported, not judged)."""
+
+
+def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (task, seed, method) run of ``zoomem.tasks.run_task``; written to ``--out`` after each run."""
+    import torch
+
+    import zoomem
+    from zoomem.tasks import run_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started, t0 = _dt.datetime.now(_dt.timezone.utc), time.perf_counter()
+    command = "python scripts/bench.py accuracy " + shlex.join(sys.argv[2:])
+    runs: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
+    jobs = [(t, s, m) for t in args.tasks for s in args.seeds for m in ["L0", *args.levels]]
+    from tqdm import tqdm
+
+    for task, seed, method in tqdm(jobs, desc="accuracy", unit="run", file=sys.stderr, disable=args.no_progress):
+        prep = None if method == "L0" else (lambda m, lvl=method: zoomem.wrap(m, level=lvl))
+        r = run_task(task, prep, seed=seed, steps=args.steps)
+        runs.append({"task": task, "seed": seed, "method": method, "accuracy": r.accuracy, "steps": r.steps,
+                     "seconds": r.seconds, "final_loss": r.losses[-1] if r.losses else None})
+        result = {**_result_head("accuracy", command, started, time.perf_counter() - t0, _git_info()),
+                  "threads": torch.get_num_threads(), "runs": runs, "verdicts": accuracy_verdicts(runs)}
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def accuracy_verdicts(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task and level: the per-seed differences to L0 and their mean, judged against ACCURACY_ALLOWED."""
+    acc = {(r["task"], r["seed"], r["method"]): r["accuracy"] for r in runs}
+    out = []
+    for task in dict.fromkeys(r["task"] for r in runs):
+        levels = [m for m in dict.fromkeys(r["method"] for r in runs if r["task"] == task) if m != "L0"]
+        for level in levels:
+            seeds = [s for (t, s, m) in acc if t == task and m == level and (t, s, "L0") in acc]
+            diffs = [acc[task, s, level] - acc[task, s, "L0"] for s in seeds]
+            if not diffs:
+                continue
+            allowed = ACCURACY_ALLOWED.get(level)
+            mean = sum(diffs) / len(diffs)
+            out.append({"task": task, "level": level, "seeds": seeds, "diffs": diffs, "mean_diff": mean,
+                        "worst_diff": min(diffs), "allowed_drop": allowed,
+                        "mean_met": None if allowed is None else mean >= -allowed,
+                        "seeds_met": None if allowed is None else sum(d >= -allowed for d in diffs)})
+    return out
+
+
+def print_accuracy(result: dict[str, Any], markdown: bool) -> None:
+    runs = result["runs"]
+    acc = {(r["task"], r["seed"], r["method"]): r["accuracy"] for r in runs}
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    for task in dict.fromkeys(r["task"] for r in runs):
+        seeds = sorted({s for (t, s, _) in acc if t == task})
+        rows = []
+        for s in seeds:
+            rows.append([str(s)] + [f"{acc[task, s, m]:.2f}" if (task, s, m) in acc else "" for m in methods])
+        means = {m: [acc[task, s, m] for s in seeds if (task, s, m) in acc] for m in methods}
+        rows.append(["mean"] + [f"{sum(v) / len(v):.2f}" if v else "" for v in means.values()])
+        print(f"\n{'#### ' if markdown else ''}{task}: accuracy (%) per seed\n")
+        print(_grid(["seed", *methods], rows, markdown))
+    print()
+    for v in result["verdicts"]:
+        judged = "" if v["allowed_drop"] is None else (
+            f" (allowed drop {v['allowed_drop']}: mean {'MET' if v['mean_met'] else 'NOT MET'}, "
+            f"{v['seeds_met']} of {len(v['diffs'])} seeds within)")
+        print(f"- {v['task']} {v['level']}: mean {v['mean_diff']:+.2f} points against L0, worst seed "
+              f"{v['worst_diff']:+.2f}, per seed {', '.join(f'{d:+.2f}' for d in v['diffs'])}{judged}")
+
+
+def cmd_accuracy(args: argparse.Namespace) -> int:
+    if args.render:
+        print_accuracy(json.loads(Path(args.render).read_text()), args.markdown)
+        return 0
+    if args.quick:
+        args.tasks, args.seeds, args.steps = args.tasks or ["graph"], args.seeds or [0], args.steps or 3
+    args.tasks = args.tasks or ["digits", "text", "graph"]
+    args.seeds = args.seeds or [0, 1, 2, 3, 4]
+    result = accuracy_run(args)
+    print_accuracy(result, args.markdown)
+    return 0
+
+
 def cmd_compress(args: argparse.Namespace) -> int:
     import torch
 
@@ -1824,6 +1921,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0, help="ILP solver time limit, s (default: %(default)s)")
     p.add_argument("--render", metavar="JSON", help="print the tables of a result JSON written before; run nothing")
     p.set_defaults(func=cmd_compress)
+
+    p = sub.add_parser(
+        "accuracy",
+        help="compressed training against plain PyTorch on real data (zoomem.tasks), several seeds",
+        description="Per task and seed: plain PyTorch (L0) and each level, the same seed and steps; the per-seed and "
+        "mean accuracy differences, judged against issue 4's allowed drops (L2 0.5, L1.2 2 points).",
+    )
+    p.add_argument("--quick", action="store_true", help="the graph task, seed 0, 3 steps (seconds; for tests)")
+    p.add_argument("--tasks", nargs="+", choices=["digits", "text", "graph"], help="tasks (default: all three)")
+    p.add_argument("--seeds", nargs="+", type=int, help="seeds (default: 0 1 2 3 4)")
+    p.add_argument("--levels", nargs="+", default=["L2", "L1.2"], metavar="LEVEL",
+                   help="levels against L0 (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: each task's own)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0: torch's choice (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/accuracy.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--render", metavar="JSON", help="print the tables of a result JSON written before; run nothing")
+    p.set_defaults(func=cmd_accuracy)
 
     p = sub.add_parser("_solve")  # internal: one model of the solve-time section, in a child process
     p.add_argument("model", choices=list(SOLVE_SIZES))

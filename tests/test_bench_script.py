@@ -162,3 +162,20 @@ def test_bench_compress_quick(tmp_path):
     assert {(g["level"], g["id"]) for g in goals["activation_ratio"]} == {("L2.2", "pyg/gcn"), ("L2", "pyg/gcn")}
     for g in goals["activation_ratio"]:
         assert g["met"] == (g["ratio"] >= g["target"])
+
+
+def test_bench_accuracy_quick(tmp_path):
+    out = tmp_path / "acc.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "accuracy", "--quick", "--out", str(out),
+           "--markdown", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "accuracy"
+    assert [(r["task"], r["seed"], r["method"]) for r in data["runs"]] == [
+        ("graph", 0, "L0"), ("graph", 0, "L2"), ("graph", 0, "L1.2")]
+    assert all(0.0 <= r["accuracy"] <= 100.0 and r["steps"] == 3 for r in data["runs"])
+    by_level = {v["level"]: v for v in data["verdicts"]}
+    acc = {r["method"]: r["accuracy"] for r in data["runs"]}
+    assert by_level["L2"]["mean_diff"] == acc["L2"] - acc["L0"] and by_level["L2"]["allowed_drop"] == 0.5
+    assert "| seed | L0 | L2 | L1.2 |" in proc.stdout and "graph L1.2: mean" in proc.stdout
