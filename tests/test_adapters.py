@@ -240,14 +240,14 @@ def test_hf_fallback_without_checkpointing_layers() -> None:
 @pytest.mark.parametrize("model_id", ["hf/bert-base-uncased", "hf/llama"])
 def test_hf_native_checkpointing_toggles(model_id: str) -> None:
     model, adapter, batch = zoo.small(model_id)
-    assert not model.is_gradient_checkpointing
+    assert not model.is_activation_checkpointing
     assert adapter.set_native_checkpointing(model, True) is True
-    assert model.is_gradient_checkpointing
+    assert model.is_activation_checkpointing
     loss = adapter.loss(model, batch, batch.call(model))
     loss.backward()
     assert torch.isfinite(loss)
     assert adapter.set_native_checkpointing(model, False) is True
-    assert not model.is_gradient_checkpointing
+    assert not model.is_activation_checkpointing
 
 
 @pytest.mark.parametrize("model_id", ["hf/llama", "hf/bert-base-uncased"])

@@ -81,7 +81,9 @@ class ZoomemCallback(TrainerCallback):
             acc = AcceleratorState()
             check_processes(acc, self.expect_processes)
             check_distributed_type(acc)
-        if getattr(model, "is_gradient_checkpointing", False) or args.gradient_checkpointing:
+        native = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"  # transformers 5 renamed it (the old name warns)
+        if getattr(model, native, False) or args.gradient_checkpointing:
             raise ValueError(
                 "TrainingArguments(gradient_checkpointing=True) makes HF recompute every layer, and zoomem plans "
                 "recomputation itself (only where the budget needs it): drop gradient_checkpointing=True and let "

@@ -254,7 +254,12 @@ class TransformersAdapter(Adapter):
         supported = bool(getattr(model, "supports_gradient_checkpointing", False))
         if not supported:
             return False
-        if enable:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so (the old is deprecated)
+            if enable:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.activation_checkpointing_disable()
+        elif enable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
