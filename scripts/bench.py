@@ -1672,6 +1672,7 @@ def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     started, t0 = _dt.datetime.now(_dt.timezone.utc), time.perf_counter()
+    code = _git_info()  # the code this process imported, not whatever HEAD is when a later run is written
     command = "python scripts/bench.py accuracy " + shlex.join(sys.argv[2:])
     runs: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
@@ -1683,7 +1684,7 @@ def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
         r = run_task(task, prep, seed=seed, steps=args.steps)
         runs.append({"task": task, "seed": seed, "method": method, "accuracy": r.accuracy, "steps": r.steps,
                      "seconds": r.seconds, "final_loss": r.losses[-1] if r.losses else None})
-        result = {**_result_head("accuracy", command, started, time.perf_counter() - t0, _git_info()),
+        result = {**_result_head("accuracy", command, started, time.perf_counter() - t0, code),
                   "threads": torch.get_num_threads(), "runs": runs, "verdicts": accuracy_verdicts(runs)}
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
