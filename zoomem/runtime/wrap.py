@@ -331,7 +331,7 @@ def _make(
             new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
-    margin = SAFETY_MARGIN
+    margin, unmet = SAFETY_MARGIN, None
     try:
         new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
     except InfeasibleBudgetError as err:
@@ -339,21 +339,12 @@ def _make(
         # itself gets its chance (the last percent is a batch or two at a device's limit)
         if not verified:
             raise
-        assert handle is not None and budget_bytes is not None
         try:
             new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=0.0,
                             compress=compress)
         except InfeasibleBudgetError:
             raise err from None
-        if compress is not None:
-            _set_compact(new, chosen_units)
-        measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
-        if measured is None or measured > budget_bytes:
-            raise err from None
-        new.extras.update(measured_peak_bytes=measured, margin=0.0)
-        if compress is not None:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
-        return new
+        margin, unmet = 0.0, err
     if compress is not None:
         _set_compact(new, chosen_units)
         new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
@@ -368,6 +359,8 @@ def _make(
         if measured is None or measured <= budget_bytes or all(u.decision == Decision.KEEP and not u.compact
                                                                for u in new.units) and not new.bits:
             return new
+        if unmet is not None:  # the plan without a margin does not fit either: the first error stands
+            raise unmet
         logger.info("zoomem: the plan measured %.1f MiB against a budget of %.1f MiB; planning again with "
                     "that much less", measured / _MIB, budget_bytes / _MIB)
         margin += (measured - budget_bytes) / budget_bytes + 0.002
