@@ -241,3 +241,34 @@ def test_measured_plans_may_use_the_last_percent() -> None:
     assert plan.extras["margin"] == 0.0 and plan.extras["measured_peak_bytes"] <= budget
     *_, peak = _step(model, adapter, batch)
     assert peak <= budget
+
+
+@pytest.mark.parametrize("model_id", ["hf/bert-base-uncased", "timm/resnet18"])
+def test_compact_forms_inside_recomputed_units(model_id: str) -> None:
+    """Every unit recomputed with its compact forms on (the planner may now choose that): the recomputation runs
+    the same forms again, gradients match plain PyTorch's within 1e-5 and BatchNorm statistics advance once."""
+    model, adapter, batch = zoo.small(model_id)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    zoomem.wrap(model, strategy="all", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    plan = next(iter(handle.plans.values()))
+    inside = set(handle.last_graph.compact_recompute_units)
+    assert inside, "no unit of this model has compact forms that run inside its checkpoint"
+    for u in plan.units:
+        assert u.decision == Decision.RECOMPUTE
+        u.compact = u.name in inside
+    loss, grads, _ = _step(model, adapter, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    _assert_grads_close(grads, ref_grads, f"{model_id} recompute + compact")
+    zoomem.unwrap(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference.state_dict()[k]), f"{model_id}: {k} differs after the step"
+
+
+def test_forms_wrapping_a_unit_stay_with_kept_units() -> None:
+    """PyG's SpMM form wraps the conv's own forward, outside the checkpoint: never compact under recomputation."""
+    model, adapter, batch = zoo.small("pyg/sage")
+    zoomem.wrap(model, strategy="all", adapter=adapter, batch=batch)
+    graph = model._zoomem.last_graph
+    assert graph.compact_units and not graph.compact_recompute_units

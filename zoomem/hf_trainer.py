@@ -81,9 +81,10 @@ class ZoomemCallback(TrainerCallback):
             acc = AcceleratorState()
             check_processes(acc, self.expect_processes)
             check_distributed_type(acc)
-        native = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else \
-            "is_gradient_checkpointing"  # transformers 5 renamed it (the old name warns)
-        if getattr(model, native, False) or args.gradient_checkpointing:
+        native = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name (the old one warns)
+        if native is None:
+            native = getattr(model, "is_gradient_checkpointing", False)
+        if native or args.gradient_checkpointing:
             raise ValueError(
                 "TrainingArguments(gradient_checkpointing=True) makes HF recompute every layer, and zoomem plans "
                 "recomputation itself (only where the budget needs it): drop gradient_checkpointing=True and let "
