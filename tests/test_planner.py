@@ -10,7 +10,7 @@ import torch
 import zoomem
 from zoomem import zoo
 from zoomem.planner import CostModel, Decision, make_plan
-from zoomem.planner.solve import _decisions_ilp
+from zoomem.planner.solve import MIP_GAP, _decisions_ilp
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,9 @@ def test_identical_units_share_their_costs(bert_costs: CostModel) -> None:
 
 
 def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
-    """For every budget between the floor and plain PyTorch, the ILP's recompute time equals the best of all
-    3^4 unit decisions that fit (compact forms off: none are measured in a bare trace)."""
+    """For every budget between the floor and plain PyTorch, the ILP's recompute time is the best of all 3^4 unit
+    decisions that fit, up to the solver's proven gap ``MIP_GAP`` (compact forms off: none are measured in a bare
+    trace)."""
     costs = bert_costs
     everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
     floor = min(p for _, p, _ in everything)
@@ -55,7 +56,8 @@ def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
         assert choice is not None and info["status"] == "optimal", info
         decisions = choice[0]
         assert costs.peak(decisions) <= budget
-        assert costs.recompute_time(decisions) == pytest.approx(best, rel=1e-6, abs=1e-9), (frac, decisions)
+        t = costs.recompute_time(decisions)
+        assert best - 1e-9 <= t <= best * (1 + MIP_GAP) + 1e-9, (frac, decisions, t, best)
 
 
 def test_plan_reports_its_solver_status_and_bound(bert_costs: CostModel) -> None:
