@@ -449,6 +449,15 @@ def _bn(act: str, zero: bool = False, affine: bool = True, shape: tuple = (3, 3,
         lambda: (_randn(*shape), _gamma(c, zero), _randn(c, seed=6)))
 
 
+def _stored(fn: Callable) -> Callable:
+    """``fn`` as it runs under zoomem's saved-tensor store (``separate_masks``: BatchNorm saves xhat and a mask)."""
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        with Zf.separate_masks():
+            return fn(*args)
+
+    return run
+
+
 def _ln(zero: bool = False) -> tuple:
     fn = lambda x, w, b: Zf.layer_norm(x, (4,), w, b)  # noqa: E731
     return fn, (lambda: (_randn(2, 3, 4), _gamma(4, zero), _randn(4, seed=6)))
@@ -482,6 +491,8 @@ DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
     **{f"bn_{a}": (*_bn(a), {}) for a in ("identity", "relu", "leaky_relu")},
     **{f"bn_{a}_gamma0": (*_bn(a, zero=True), {}) for a in ("identity", "relu", "leaky_relu")},
     "bn1d_plain": (*_bn("identity", affine=False, shape=(6, 3)), {}),
+    **{f"bn_{a}_stored{z}": (_stored(_bn(a, zero=bool(z))[0]), _bn(a, zero=bool(z))[1], {})
+       for a in ("identity", "relu", "leaky_relu") for z in ("", "_gamma0")},
     "ln": (*_ln(), {}),
     "ln_gamma0": (*_ln(zero=True), {}),
     "ln_plain_2d": (lambda x: Zf.layer_norm(x, (3, 4)), lambda: (_randn(2, 3, 4),), {}),
@@ -507,6 +518,26 @@ DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
                        lambda: (_randn(3),), {}),
     **{f"spmm_{r}": (*_spmm(r), {}) for r in ("sum", "mean", "max", "min")},
 }
+
+
+def test_batch_norm_under_the_store_saves_unit_scale_xhat() -> None:
+    """Under the store a saved tensor may be rounded: BatchNorm saves xhat (channels at unit scale) rather than
+    its input (channel scales 1e-3..1e3 in one rounding group) or its output (read back through 1 / gamma)."""
+    x = torch.randn(8, 4, 3, 3) * torch.tensor([1e-3, 1.0, 1e3, 5.0]).view(1, 4, 1, 1)
+    w = torch.tensor([1e-6, 0.0, 1.0, 2.0], requires_grad=True)
+    b = torch.zeros(4, requires_grad=True)
+    with Zf.separate_masks():
+        y = Zf.batch_norm_act(x.requires_grad_(), None, None, w, b, True, act="identity")
+    saved = y.grad_fn.saved_tensors[0]
+    assert saved.shape == x.shape
+    mean, var = x.mean((0, 2, 3), keepdim=True), x.var((0, 2, 3), unbiased=False, keepdim=True)
+    torch.testing.assert_close(saved, (x - mean) / torch.sqrt(var + 1e-5), rtol=1e-4, atol=1e-5)  # F's eps
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(0))
+    y.backward(g)
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.batch_norm(ref_x, None, None, ref_w, b.detach(), True).backward(g)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(DD_CASES))

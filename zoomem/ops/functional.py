@@ -406,8 +406,25 @@ class _BatchNormAct(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # the extra outputs get a gradient only in a double backward
         y, invstd, mean = _bn_stats_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         ctx.act, ctx.slope, ctx.eps, ctx.ndim = act, slope, eps, x.dim()
-        ctx.fallback = _needs_fallback(weight)
         ctx.x_dtype = x.dtype
+        ctx.normalized = _SEPARATE_MASKS.get()
+        ctx.fallback = not ctx.normalized and _needs_fallback(weight)
+        if ctx.normalized:
+            # under zoomem's store (saved tensors may be lossy): save xhat, whose channels all have unit scale, and
+            # the mask as 1 bit. Recovering xhat as (y - beta) / gamma would multiply a rounding error of y by
+            # 1 / gamma (timm starts residual-branch gammas at 0: 2-bit ResNet-18 training diverged), and the
+            # input x has per-channel scales that per-sample rounding groups mix.
+            work = _work_dtype(x)
+            xhat = ((x.to(work) - _channel_view(mean.to(work), x.dim())) * _channel_view(invstd.to(work), x.dim()))
+            xhat = xhat.to(x.dtype)
+            extra = ()
+            if act in ("relu", "leaky_relu"):
+                packed, ctx.mask_shape = pack_bool(y > 0)
+                extra = (packed,)
+                y = torch.relu_(y) if act == "relu" else F.leaky_relu_(y, slope)
+            ctx.exact_reads = ()
+            ctx.save_for_backward(xhat, weight, bias, invstd, *extra)
+            return y, xhat, invstd
         if ctx.fallback:
             # gamma == 0 somewhere: xhat cannot be recovered from y there; save the input like the stock op
             if act == "identity":
@@ -446,6 +463,35 @@ class _BatchNormAct(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         diff = torch.is_grad_enabled()  # create_graph: the gradients must be differentiable themselves
         g_pre = g_mean = xhat = None
+        if ctx.normalized:
+            xhat, weight, bias, invstd, *mask = _saved(ctx, "batch_norm_act")
+            g_xhat, g_invstd = stat_grads
+            work = _work_dtype(xhat)
+            if grad is None:
+                grad = torch.zeros_like(xhat)
+            if mask:
+                pos = unpack_bool(mask[0], ctx.mask_shape)
+                grad = grad.masked_fill(~pos, 0) if act == "relu" else torch.where(pos, grad, grad * ctx.slope)
+            g, xh = grad.to(work), xhat.to(work)
+            wf = weight.to(work) if weight is not None else None
+            with torch.no_grad():
+                w_eff = wf * invstd.to(work) if wf is not None else invstd.to(work)
+                c = invstd.numel()
+                zeros = torch.zeros(c, dtype=work, device=g.device)
+                ones = torch.ones(c, dtype=work, device=g.device)
+                gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                    g, xh, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and wf is not None, need_b]
+                )
+            if diff:
+                ex, ew, eb = _bn_explicit(g, xh, wf, invstd.to(work), ndim)
+                gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+            if g_xhat is not None and gx is not None:  # a double backward through the returned xhat
+                gx = gx + _bn_explicit(g_xhat.to(work), xh, None, invstd.to(work), ndim)[0]
+            gx = gx.to(ctx.x_dtype) if gx is not None else None
+            gw = gw.to(weight.dtype) if gw is not None and weight is not None else None
+            gb = gb.to(bias.dtype) if gb is not None and bias is not None else None
+            gx = _bn_stat_grads(gx, xh, invstd, None, g_invstd, ndim)
+            return gx, gw, gb, None, None, None, None, None, None
         if ctx.fallback:
             x, weight, bias, mean, invstd, packed = _saved(ctx, "batch_norm_act")
             g_mean, g_invstd = stat_grads
@@ -718,8 +764,25 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         y, r = _rms_forward(x, weight, eps)
-        ctx.fallback = _needs_fallback(weight)
         ctx.x_dtype = x.dtype
+        ctx.normalized = _SEPARATE_MASKS.get()
+        ctx.fallback = not ctx.normalized and _needs_fallback(weight)
+        if ctx.normalized:
+            # under zoomem's store (saved tensors may be lossy): save xhat, whose channels all have unit scale, and
+            # the mask as 1 bit. Recovering xhat as (y - beta) / gamma would multiply a rounding error of y by
+            # 1 / gamma (timm starts residual-branch gammas at 0: 2-bit ResNet-18 training diverged), and the
+            # input x has per-channel scales that per-sample rounding groups mix.
+            work = _work_dtype(x)
+            xhat = ((x.to(work) - _channel_view(mean.to(work), x.dim())) * _channel_view(invstd.to(work), x.dim()))
+            xhat = xhat.to(x.dtype)
+            extra = ()
+            if act in ("relu", "leaky_relu"):
+                packed, ctx.mask_shape = pack_bool(y > 0)
+                extra = (packed,)
+                y = torch.relu_(y) if act == "relu" else F.leaky_relu_(y, slope)
+            ctx.exact_reads = ()
+            ctx.save_for_backward(xhat, weight, bias, invstd, *extra)
+            return y, xhat, invstd
         if ctx.fallback:
             ctx.save_for_backward(x, weight, r)
         else:

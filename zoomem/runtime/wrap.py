@@ -166,7 +166,7 @@ class _Handle:
         if new.bits and new.variance > NOISY_VARIANCE:
             _log_rank0(
                 "zoomem: the plan's lossy storage adds gradient noise of %.2f times the squared gradient norm (%s); "
-                "training may diverge (fixed 2-bit L1.2 did on 1 of 5 digit seeds). An adaptive level (L2, L2.1, "
+                "training may be noisier or diverge. An adaptive level (L2, L2.1, "
                 "L2.2) or compress='auto' spends the bits where this noise comes from.", new.variance,
                 new.level or "auto", level=logging.WARNING,
             )
