@@ -1662,6 +1662,11 @@ ACCURACY_ALLOWED = {"L2": 0.5, "L1.2": 2.0}
 """Issue 4's allowed accuracy drop against L0, in points, per level (other levels are reported, not judged)."""
 
 
+def _noise_label(relative: float) -> str:
+    """The control method's name: plain PyTorch with ``zoomem.tasks.gradient_noise(relative)``."""
+    return f"L0+{relative:.0%} noise"
+
+
 def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (task, seed, method) run of ``zoomem.tasks.run_task``; written to ``--out`` after each run."""
     import torch
@@ -1676,11 +1681,19 @@ def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
     command = "python scripts/bench.py accuracy " + shlex.join(sys.argv[2:])
     runs: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
-    jobs = [(t, s, m) for t in args.tasks for s in args.seeds for m in ["L0", *args.levels]]
+    control = [_noise_label(args.control_noise)] if args.control_noise > 0 else []
+    jobs = [(t, s, m) for t in args.tasks for s in args.seeds for m in ["L0", *args.levels, *control]]
     from tqdm import tqdm
 
+    from zoomem.tasks import gradient_noise
+
     for task, seed, method in tqdm(jobs, desc="accuracy", unit="run", file=sys.stderr, disable=args.no_progress):
-        prep = None if method == "L0" else (lambda m, lvl=method: zoomem.wrap(m, level=lvl))
+        if method == "L0":
+            prep = None
+        elif method in control:  # the instrument's resolution: plain PyTorch with a small exact-zero-free noise
+            prep = gradient_noise(args.control_noise, seed=seed)
+        else:
+            prep = lambda m, lvl=method: zoomem.wrap(m, level=lvl)  # noqa: E731
         r = run_task(task, prep, seed=seed, steps=args.steps)
         runs.append({"task": task, "seed": seed, "method": method, "accuracy": r.accuracy, "steps": r.steps,
                      "seconds": r.seconds, "final_loss": r.losses[-1] if r.losses else None})
@@ -1706,6 +1719,7 @@ def accuracy_verdicts(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             allowed = ACCURACY_ALLOWED.get(level)
             mean = sum(diffs) / len(diffs)
             out.append({"task": task, "level": level, "seeds": seeds, "diffs": diffs, "mean_diff": mean,
+                        "mean_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
                         "worst_diff": min(diffs), "allowed_drop": allowed,
                         "mean_met": None if allowed is None else mean >= -allowed,
                         "seeds_met": None if allowed is None else sum(d >= -allowed for d in diffs)})
@@ -1730,7 +1744,8 @@ def print_accuracy(result: dict[str, Any], markdown: bool) -> None:
         judged = "" if v["allowed_drop"] is None else (
             f" (allowed drop {v['allowed_drop']}: mean {'MET' if v['mean_met'] else 'NOT MET'}, "
             f"{v['seeds_met']} of {len(v['diffs'])} seeds within)")
-        print(f"- {v['task']} {v['level']}: mean {v['mean_diff']:+.2f} points against L0, worst seed "
+        spread = f" (mean |diff| {v['mean_abs_diff']:.2f})" if "mean_abs_diff" in v else ""
+        print(f"- {v['task']} {v['level']}: mean {v['mean_diff']:+.2f}{spread} points against L0, worst seed "
               f"{v['worst_diff']:+.2f}, per seed {', '.join(f'{d:+.2f}' for d in v['diffs'])}{judged}")
 
 
@@ -1935,6 +1950,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--levels", nargs="+", default=["L2", "L1.2"], metavar="LEVEL",
                    help="levels against L0 (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: each task's own)")
+    p.add_argument("--control-noise", type=float, default=0.01, metavar="REL",
+                   help="also run plain PyTorch with every gradient element times 1 + REL * N(0, 1) "
+                        "(zoomem.tasks.gradient_noise), reported beside the levels: how far a small perturbation "
+                        "alone moves each task's accuracy; 0: skip (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads; 0: torch's choice (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/accuracy.json", help="JSON output (default: %(default)s)")

@@ -173,9 +173,10 @@ def test_bench_accuracy_quick(tmp_path):
     data = json.loads(out.read_text())
     assert data["benchmark"] == "accuracy"
     assert [(r["task"], r["seed"], r["method"]) for r in data["runs"]] == [
-        ("graph", 0, "L0"), ("graph", 0, "L2"), ("graph", 0, "L1.2")]
+        ("graph", 0, "L0"), ("graph", 0, "L2"), ("graph", 0, "L1.2"), ("graph", 0, "L0+1% noise")]
     assert all(0.0 <= r["accuracy"] <= 100.0 and r["steps"] == 3 for r in data["runs"])
     by_level = {v["level"]: v for v in data["verdicts"]}
     acc = {r["method"]: r["accuracy"] for r in data["runs"]}
     assert by_level["L2"]["mean_diff"] == acc["L2"] - acc["L0"] and by_level["L2"]["allowed_drop"] == 0.5
-    assert "| seed | L0 | L2 | L1.2 |" in proc.stdout and "graph L1.2: mean" in proc.stdout
+    assert by_level["L0+1% noise"]["allowed_drop"] is None  # the control is reported, not judged
+    assert "| seed | L0 | L2 | L1.2 | L0+1% noise |" in proc.stdout and "graph L1.2: mean" in proc.stdout

@@ -329,9 +329,12 @@ TASKS: dict[str, Task] = {
         load=_text,
         build=_build_text,
         forward=_forward_text,
-        steps=300,
+        # lr 2e-3 over 400 steps, not 3e-3 over 300: at 3e-3 a 1% multiplicative gradient noise moved the test
+        # accuracy by 0.67 points per seed on average (up to 1.7), as much as the 0.5 points the task must resolve;
+        # here by 0.29 (python scripts/bench.py accuracy --tasks text runs that control beside the levels)
+        steps=400,
         batch_size=64,
-        lr=3e-3,
+        lr=2e-3,
         optimizer="adamw",
         weight_decay=0.01,
         floor=90.0,
