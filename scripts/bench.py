@@ -1029,7 +1029,7 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path, title: str) -> Non
         ax.set_ylabel("measured fwd+bwd peak (MiB)", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="lower left", framealpha=0.85)
+        ax.legend(fontsize=6.5, loc="best", framealpha=0.85)  # "best": the least-covered corner (GCN: top)
     for ax in list(axes.flat)[len(ok):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
@@ -1088,6 +1088,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from zoomem import zoo
 
+    if args.render:
+        return render_sweep(json.loads(Path(args.render).read_text()), args)
     models = args.models or list(SWEEP_SIZES)
     if not _known_models(models, zoo.SMALL if args.quick else SWEEP_SIZES, args.quick, "sweep size"):
         return 2
@@ -1140,6 +1142,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         title = f"{command}\n{_machine_line(machine)}, {started:%Y-%m-%d}"
         plot_sweep(results, Path(args.plot), title)
         logger.info("wrote %s", args.plot)
+    _print_sweep(command, machine, started, wall, results, solve, targets, args.markdown)
+    return 1 if any("error" in r for r in results) or any("error" in s for s in solve) else 0
+
+
+def render_sweep(data: dict[str, Any], args: argparse.Namespace) -> int:
+    """``sweep --render``: the tables (and, with ``--plot``, the PNG) of a sweep JSON written before."""
+    started = _dt.datetime.fromisoformat(data["date"])
+    if args.plot:
+        plot_sweep(data["results"], Path(args.plot), f"{data['command']}\n{_machine_line(data['machine'])}, "
+                                                      f"{started:%Y-%m-%d}")
+    _print_sweep(data["command"], data["machine"], started, data["wall_s"], data["results"], data["solve"],
+                 data["targets"], args.markdown)
+    return 0
+
+
+def _print_sweep(command: str, machine: dict[str, Any], started: Any, wall: float, results: Sequence[dict[str, Any]],
+                 solve: Sequence[dict[str, Any]], targets: dict[str, Any], markdown: bool) -> None:
+    args = argparse.Namespace(markdown=markdown)
     _print_run_head(command, machine, started, wall, args.markdown)
     for r in results:
         print(("#### " if args.markdown else "") + _model_head(r) + "\n")
@@ -1149,7 +1169,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(("#### " if args.markdown else "") + "ILP solve time\n")
         print(solve_table(solve, args.markdown) + "\n")
     print(targets_text(targets))
-    return 1 if any("error" in r for r in results) or any("error" in s for s in solve) else 0
 
 
 # -- compress: GACT-style levels, and compression planned with recomputation -----------------------------------------
@@ -1901,6 +1920,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-timeout", type=float, default=600.0,
                    help="give up compiling after this many seconds (default: %(default)s)")
     p.add_argument("--skip-solve", action="store_true", help="skip the solve-time section")
+    p.add_argument("--render", metavar="JSON", help="print the tables of a result JSON written before and redraw "
+                   "--plot from it; run nothing")
     p.add_argument("--solve-models", nargs="+", default=list(SOLVE_SIZES), metavar="ID", choices=list(SOLVE_SIZES),
                    help="models of the solve-time section (default: %(default)s)")
     p.add_argument("--trace-timeout", type=float, default=600.0,

@@ -58,6 +58,12 @@ def test_bench_sweep_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| plain PyTorch | — |" in proc.stdout and "| zoomem ILP | min (" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again.png"  # --render: the same tables and a plot from the JSON alone
+    rendered = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out),
+                               "--plot", str(again), "--markdown"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    assert rendered.returncode == 0, rendered.stderr[-4000:]
+    assert rendered.stdout == proc.stdout and again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     data = json.loads(out.read_text())
     assert data["benchmark"] == "sweep" and data["settings"]["quick"] is True
