@@ -493,6 +493,7 @@ DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
     "bn1d_plain": (*_bn("identity", affine=False, shape=(6, 3)), {}),
     **{f"bn_{a}_stored{z}": (_stored(_bn(a, zero=bool(z))[0]), _bn(a, zero=bool(z))[1], {})
        for a in ("identity", "relu", "leaky_relu") for z in ("", "_gamma0")},
+    "ln_stored": (_stored(_ln()[0]), _ln()[1], {}),
     "ln": (*_ln(), {}),
     "ln_gamma0": (*_ln(zero=True), {}),
     "ln_plain_2d": (lambda x: Zf.layer_norm(x, (3, 4)), lambda: (_randn(2, 3, 4),), {}),
@@ -500,6 +501,8 @@ DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
     "rms": (lambda x, w: Zf.rms_norm(x, w, 1e-6), lambda: (_randn(2, 3, 4), _gamma(4)),
             {"eps": 1e-3, "atol": 2e-3, "rtol": 2e-3}),
     "rms_gamma0": (lambda x, w: Zf.rms_norm(x, w, 1e-6), lambda: (_randn(2, 3, 4), _gamma(4, zero=True)),
+                   {"eps": 1e-3, "atol": 2e-3, "rtol": 2e-3}),
+    "rms_stored": (_stored(lambda x, w: Zf.rms_norm(x, w, 1e-6)), lambda: (_randn(2, 3, 4), _gamma(4)),
                    {"eps": 1e-3, "atol": 2e-3, "rtol": 2e-3}),
     "maxpool": (lambda x: Zf.max_pool2d(x, 3, 2, 1), lambda: (_distinct(1, 2, 6, 6),), {}),
     "maxpool_dilated_ceil_cl": (

@@ -764,25 +764,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         y, r = _rms_forward(x, weight, eps)
+        ctx.fallback = _needs_fallback(weight)
         ctx.x_dtype = x.dtype
-        ctx.normalized = _SEPARATE_MASKS.get()
-        ctx.fallback = not ctx.normalized and _needs_fallback(weight)
-        if ctx.normalized:
-            # under zoomem's store (saved tensors may be lossy): save xhat, whose channels all have unit scale, and
-            # the mask as 1 bit. Recovering xhat as (y - beta) / gamma would multiply a rounding error of y by
-            # 1 / gamma (timm starts residual-branch gammas at 0: 2-bit ResNet-18 training diverged), and the
-            # input x has per-channel scales that per-sample rounding groups mix.
-            work = _work_dtype(x)
-            xhat = ((x.to(work) - _channel_view(mean.to(work), x.dim())) * _channel_view(invstd.to(work), x.dim()))
-            xhat = xhat.to(x.dtype)
-            extra = ()
-            if act in ("relu", "leaky_relu"):
-                packed, ctx.mask_shape = pack_bool(y > 0)
-                extra = (packed,)
-                y = torch.relu_(y) if act == "relu" else F.leaky_relu_(y, slope)
-            ctx.exact_reads = ()
-            ctx.save_for_backward(xhat, weight, bias, invstd, *extra)
-            return y, xhat, invstd
         if ctx.fallback:
             ctx.save_for_backward(x, weight, r)
         else:
