@@ -316,3 +316,18 @@ def test_data_parallel_ranks_share_sensitivities() -> None:
         p.join(120)
     results = dict(queue.get() for _ in range(2))
     assert results[0] == results[1] == {"a#0": 1.5, "b#1": 5.0}
+
+
+def test_adaptive_l2_never_stores_one_bit_but_l22_may() -> None:
+    """L2 spends its 4 bits on average from 2 bits up; L2.2 (2 on average) needs 1-bit tensors to pay for wider ones."""
+    from zoomem.planner.compression import LEVELS, SavedInfo, allocate_bits
+
+    def info(key: str, sensitivity: float) -> SavedInfo:
+        return SavedInfo(key=key, region="u", shape=(64, 256), dtype=torch.float32, nbytes=64 * 256 * 4, lossy=None,
+                         sensitivity=sensitivity)
+
+    infos = [info("dull", 1e-9), info("sharp", 1.0), info("mid", 1e-3)]
+    l2 = allocate_bits(infos, LEVELS["L2"])
+    assert min(l2.values()) == 2 and l2["sharp"] == 8 and sum(l2.values()) / 3 <= 4
+    l22 = allocate_bits(infos, LEVELS["L2.2"])
+    assert l22["dull"] == 1 and l22["sharp"] > l22["dull"] and sum(l22.values()) / 3 <= 2
