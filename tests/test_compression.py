@@ -206,15 +206,15 @@ def test_retain_graph_and_double_backward() -> None:
 
 
 def test_noisy_fixed_bits_warn(caplog: pytest.LogCaptureFixture) -> None:
-    """Fixed 2 bits on every tensor predicts gradient noise a third of the gradient's norm or more: say so (L1.2
-    diverged on 1 of 5 digit seeds); the adaptive level spends the same average bits quietly."""
+    """Fixed 2 bits on every tensor predicts gradient noise a third of the gradient's norm or more: say so; the
+    adaptive level spends the same average bits quietly."""
     for level, noisy in (("L1.2", True), ("L2", False)):
         model, adapter, batch = small("timm/resnet18", seed=0)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="zoomem"):
             zoomem.wrap(model, level=level, batch=batch)
         assert (_plan(model).variance > 0.1) == noisy
-        assert any("may diverge" in r.message for r in caplog.records) == noisy, level
+        assert any("noisier or diverge" in r.message for r in caplog.records) == noisy, level
 
 
 def _live_storage_bytes() -> int:
