@@ -331,7 +331,7 @@ TASKS: dict[str, Task] = {
         forward=_forward_text,
         # lr 2e-3 over 400 steps, not 3e-3 over 300: at 3e-3 a 1% multiplicative gradient noise moved the test
         # accuracy by 0.67 points per seed on average (up to 1.7), as much as the 0.5 points the task must resolve;
-        # here by 0.29 (python scripts/bench.py accuracy --tasks text runs that control beside the levels)
+        # here by 0.3-0.4 (python scripts/bench.py accuracy runs that control beside the levels; BENCHMARKS.md)
         steps=400,
         batch_size=64,
         lr=2e-3,

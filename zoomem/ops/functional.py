@@ -472,26 +472,7 @@ class _BatchNormAct(torch.autograd.Function):
             if mask:
                 pos = unpack_bool(mask[0], ctx.mask_shape)
                 grad = grad.masked_fill(~pos, 0) if act == "relu" else torch.where(pos, grad, grad * ctx.slope)
-            g, xh = grad.to(work), xhat.to(work)
-            wf = weight.to(work) if weight is not None else None
-            with torch.no_grad():
-                w_eff = wf * invstd.to(work) if wf is not None else invstd.to(work)
-                c = invstd.numel()
-                zeros = torch.zeros(c, dtype=work, device=g.device)
-                ones = torch.ones(c, dtype=work, device=g.device)
-                gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                    g, xh, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and wf is not None, need_b]
-                )
-            if diff:
-                ex, ew, eb = _bn_explicit(g, xh, wf, invstd.to(work), ndim)
-                gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
-            if g_xhat is not None and gx is not None:  # a double backward through the returned xhat
-                gx = gx + _bn_explicit(g_xhat.to(work), xh, None, invstd.to(work), ndim)[0]
-            gx = gx.to(ctx.x_dtype) if gx is not None else None
-            gw = gw.to(weight.dtype) if gw is not None and weight is not None else None
-            gb = gb.to(bias.dtype) if gb is not None and bias is not None else None
-            gx = _bn_stat_grads(gx, xh, invstd, None, g_invstd, ndim)
-            return gx, gw, gb, None, None, None, None, None, None
+            return _BatchNormAct._from_xhat(ctx, grad.to(work), xhat.to(work), weight, bias, invstd, g_invstd, g_xhat)
         if ctx.fallback:
             x, weight, bias, mean, invstd, packed = _saved(ctx, "batch_norm_act")
             g_mean, g_invstd = stat_grads
@@ -533,27 +514,36 @@ class _BatchNormAct(torch.autograd.Function):
             y = saved
         if g_pre is not None:  # a double backward through the returned pre-activation output
             grad = grad + g_pre
-        # 2. xhat = (y - beta) / gamma in fp32, then aten's batch-norm backward with mean 0, invstd 1 and
-        #    weight gamma * invstd: d/dx = gamma*invstd*(g - mean(g) - xhat*mean(g*xhat)), d/dgamma = sum(g*xhat)
+        # 2. xhat = (y - beta) / gamma in fp32, then the gradients from xhat
         work = _work_dtype(y)
-        c = invstd.numel()
         xhat = y.to(work)
         if bias is not None:
             xhat = xhat - _channel_view(bias.to(work), ndim)
         if weight is not None:
             xhat = xhat / _channel_view(weight.to(work), ndim)
-        g = grad.to(work)
+        return _BatchNormAct._from_xhat(ctx, grad.to(work), xhat, weight, bias, invstd, g_invstd)
+
+    @staticmethod
+    def _from_xhat(ctx, g, xhat, weight, bias, invstd, g_invstd, g_xhat=None):  # type: ignore[no-untyped-def]
+        """The gradients from xhat and the gradient ``g`` w.r.t. the pre-activation output (both in the work dtype):
+        aten's batch-norm backward with mean 0, invstd 1 and weight gamma * invstd (d/dx = gamma*invstd*(g - mean(g)
+        - xhat*mean(g*xhat)), d/dgamma = sum(g*xhat)), differentiable under create_graph; ``g_xhat``: a double
+        backward's gradient w.r.t. a returned xhat."""
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        work, ndim, c = xhat.dtype, ctx.ndim, invstd.numel()
+        wf = weight.to(work) if weight is not None else None
         with torch.no_grad():
-            w_eff = weight.to(work) * invstd.to(work) if weight is not None else invstd.to(work)
-            zeros = torch.zeros(c, dtype=work, device=y.device)
-            ones = torch.ones(c, dtype=work, device=y.device)
+            w_eff = wf * invstd.to(work) if wf is not None else invstd.to(work)
+            zeros = torch.zeros(c, dtype=work, device=g.device)
+            ones = torch.ones(c, dtype=work, device=g.device)
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                g, xhat, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and weight is not None, need_b]
+                g, xhat, w_eff, None, None, zeros, ones, True, ctx.eps, [need_x, need_w and wf is not None, need_b]
             )
-        if diff:
-            wf = weight.to(work) if weight is not None else None
+        if torch.is_grad_enabled():
             ex, ew, eb = _bn_explicit(g, xhat, wf, invstd.to(work), ndim)
             gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+        if g_xhat is not None and gx is not None:  # xhat = (x - mean) * invstd: batch norm's backward, gamma 1
+            gx = gx + _bn_explicit(g_xhat.to(work), xhat, None, invstd.to(work), ndim)[0]
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(weight.dtype) if gw is not None and weight is not None else None
         gb = gb.to(bias.dtype) if gb is not None and bias is not None else None
