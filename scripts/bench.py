@@ -1159,15 +1159,14 @@ def render_sweep(data: dict[str, Any], args: argparse.Namespace) -> int:
 
 def _print_sweep(command: str, machine: dict[str, Any], started: Any, wall: float, results: Sequence[dict[str, Any]],
                  solve: Sequence[dict[str, Any]], targets: dict[str, Any], markdown: bool) -> None:
-    args = argparse.Namespace(markdown=markdown)
-    _print_run_head(command, machine, started, wall, args.markdown)
+    _print_run_head(command, machine, started, wall, markdown)
     for r in results:
-        print(("#### " if args.markdown else "") + _model_head(r) + "\n")
+        print(("#### " if markdown else "") + _model_head(r) + "\n")
         if "error" not in r:
-            print(sweep_table(r, args.markdown) + "\n")
+            print(sweep_table(r, markdown) + "\n")
     if solve:
-        print(("#### " if args.markdown else "") + "ILP solve time\n")
-        print(solve_table(solve, args.markdown) + "\n")
+        print(("#### " if markdown else "") + "ILP solve time\n")
+        print(solve_table(solve, markdown) + "\n")
     print(targets_text(targets))
 
 
@@ -1691,7 +1690,7 @@ def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import zoomem
-    from zoomem.tasks import run_task
+    from zoomem.tasks import gradient_noise, run_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1703,8 +1702,6 @@ def accuracy_run(args: argparse.Namespace) -> dict[str, Any]:
     control = [_noise_label(args.control_noise)] if args.control_noise > 0 else []
     jobs = [(t, s, m) for t in args.tasks for s in args.seeds for m in ["L0", *args.levels, *control]]
     from tqdm import tqdm
-
-    from zoomem.tasks import gradient_noise
 
     for task, seed, method in tqdm(jobs, desc="accuracy", unit="run", file=sys.stderr, disable=args.no_progress):
         if method == "L0":
@@ -1772,6 +1769,9 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     if args.render:
         print_accuracy(json.loads(Path(args.render).read_text()), args.markdown)
         return 0
+    if args.control_noise < 0:
+        print(f"--control-noise must be >= 0 (0 skips the control), got {args.control_noise}.", file=sys.stderr)
+        return 2
     if args.quick:
         args.tasks, args.seeds, args.steps = args.tasks or ["graph"], args.seeds or [0], args.steps or 3
     args.tasks = args.tasks or ["digits", "text", "graph"]

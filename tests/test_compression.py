@@ -331,3 +331,5 @@ def test_adaptive_l2_never_stores_one_bit_but_l22_may() -> None:
     assert min(l2.values()) == 2 and l2["sharp"] == 8 and sum(l2.values()) / 3 <= 4
     l22 = allocate_bits(infos, LEVELS["L2.2"])
     assert l22["dull"] == 1 and l22["sharp"] > l22["dull"] and sum(l22.values()) / 3 <= 2
+    with pytest.raises(ValueError, match="min_bits=8 must be one of"):
+        LEVELS["L2"].__class__("mine", avg_bits=4, min_bits=8)

@@ -87,6 +87,11 @@ class Level:
     min_bits: int = 1  # adaptive: the narrowest width the allocator may choose
     help: str = ""
 
+    def __post_init__(self) -> None:
+        if self.min_bits not in BITS or (self.avg_bits is not None and self.min_bits > self.avg_bits):
+            raise ValueError(f"Level {self.name!r}: min_bits={self.min_bits} must be one of {BITS} and at most "
+                             f"avg_bits={self.avg_bits}.")
+
     @property
     def lossy(self) -> bool:
         return self.bits is not None or self.avg_bits is not None

@@ -152,6 +152,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     # unit's choices, so the LP relaxation is as tight as it can be (on BERT-large it bounds as the products did:
     # what ended the 10 s runs there was MIP_GAP).
     x: dict[tuple[str, Decision, bool], pulp.LpVariable] = {}
+    kept: dict[str, pulp.LpAffineExpression] = {}  # 1 when the unit keeps its tensors, in either compact mode
     for i, u in enumerate(model.units):
         modes = [(Decision.RECOMPUTE, False)]
         if model.recompute_cheap_s.get(u, 0.0) < model.recompute_s.get(u, 0.0):
@@ -169,7 +170,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             if warm is not None:
                 x[u, d, on].setInitialValue(1 if warm[0][u] == d and (u in warm[1]) == on else 0)
         prob += pulp.lpSum(x[u, d, on] for d, on in modes) == 1
-    kept = {u: pulp.lpSum(v for (w, d, _), v in x.items() if w == u and d == Decision.KEEP) for u in model.units}
+        kept[u] = pulp.lpSum(x[u, d, on] for d, on in modes if d == Decision.KEEP)
     keep = lambda seg: kept[model.units[seg - 1]]  # noqa: E731
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP, False), 0)  # noqa: E731
     h: dict[int, pulp.LpVariable | int] = {}
