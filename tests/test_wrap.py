@@ -163,7 +163,8 @@ def test_plan_json_summary_and_strategies() -> None:
     assert all(u.decision == Decision.KEEP for u in plans["none"].units)
     assert all(u.decision == Decision.RECOMPUTE for u in plans["all"].units)
     assert plans["all"].predicted_peak_bytes < plans["none"].predicted_peak_bytes
-    assert plans["all"].recompute_s > plans["sqrt"].recompute_s > 0
+    # Chen's segments run the unit before each dropped input once more
+    assert plans["sqrt"].recompute_s > plans["all"].recompute_s > 0
     budget = (plans["none"].predicted_peak_bytes + plans["all"].predicted_peak_bytes) // 2
     ilp = make_plan(costs, budget, "ilp")
     greedy = make_plan(costs, budget, "greedy")
@@ -272,3 +273,59 @@ def test_forms_wrapping_a_unit_stay_with_kept_units() -> None:
     zoomem.wrap(model, strategy="all", adapter=adapter, batch=batch)
     graph = model._zoomem.last_graph
     assert graph.compact_units and not graph.compact_recompute_units
+
+
+@pytest.mark.parametrize("model_id", ["timm/resnet50", "hf/bert-base-uncased"])
+def test_dropped_inputs_come_back_bitwise(model_id: str) -> None:
+    """``sqrt`` (Chen et al.'s segments) drops the input of every unit after a segment's first
+    (``RECOMPUTE_CHAIN``): loss, gradients and BatchNorm statistics are bitwise plain PyTorch's (BERT's dropout
+    masks included), forward holds less than ``all``, the measured peak is within 5% of the prediction, and a
+    second backward through the same graph brings the dropped inputs back again."""
+    model, adapter, batch = zoo.small(model_id, batch_size=8)
+    if model_id.startswith("hf/"):
+        assert model.config.hidden_dropout_prob > 0  # the recomputed forwards must draw the same masks
+    initial = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+
+    held = {}
+    for strategy in ("all", "sqrt"):
+        model.load_state_dict(initial)
+        zoomem.wrap(model, 10**12, strategy=strategy, adapter=adapter, batch=batch)
+        held[strategy] = _held_after_forward(model, batch)
+        model.load_state_dict(initial)
+        plan = next(iter(model._zoomem.plans.values()))
+        loss, grads, peak = _step(model, adapter, batch)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, reference.state_dict()[k]), f"{strategy}: {k} differs after the step"
+        assert torch.equal(loss, ref_loss)
+        for k, g in ref_grads.items():
+            assert torch.equal(grads[k], g), f"{model_id} {strategy}: gradient of {k} differs"
+        assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak, (strategy, plan.predicted_peak_bytes, peak)
+        if strategy == "sqrt":
+            assert sum(u.decision == Decision.RECOMPUTE_CHAIN for u in plan.units) >= 1
+            torch.manual_seed(0)
+            loss = adapter.loss(model, batch, batch.call(model))
+            loss.backward(retain_graph=True)
+            first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            loss.backward()
+            for n, p in model.named_parameters():
+                if n in first:
+                    assert torch.equal(p.grad, 2 * first[n]), f"second backward: gradient of {n} differs"
+        zoomem.unwrap(model)
+    assert held["sqrt"] < held["all"]
+
+
+def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
+    from zoomem.planner import CostModel
+
+    model, adapter, batch = zoo.small("timm/resnet50")
+    costs = CostModel.from_graph(zoomem.trace(model, batch, adapter=adapter))
+    assert sorted(costs.chain) == list(range(2, len(costs.units) + 1))  # every block's input but the stem's output
+    decisions = {u: Decision.RECOMPUTE for u in costs.units}
+    decisions[costs.units[1]] = Decision.RECOMPUTE_CHAIN
+    costs.peak(decisions)
+    with pytest.raises(ValueError, match="must then be recomputed too"):
+        costs.peak({**decisions, costs.units[0]: Decision.KEEP})
+    with pytest.raises(ValueError, match="cannot recompute its input"):
+        costs.peak({**decisions, costs.units[0]: Decision.RECOMPUTE_CHAIN})

@@ -74,6 +74,10 @@ class CostModel:
     saved_seg: list[int] = field(default_factory=list)
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     grad_sq: float = 0.0
+    chain: dict[int, int] = field(default_factory=dict)
+    """Unit segment -> index in ``storages`` of the input that ``RECOMPUTE_CHAIN`` may drop: the unit's one
+    activation input made by the unit before it, needed by nothing else (no other unit takes it, nothing outside
+    the units saves it)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -152,6 +156,19 @@ class CostModel:
                     get(sid).input_of.add(seg_of_unit[u.name])
         for s in storages.values():
             s.last_forward_use = max(s.last_forward_use, producer_seg.get(s.sid, 0))
+        chain: dict[int, int] = {}
+        order = list(storages)
+        for u in graph.units:
+            seg = seg_of_unit.get(u.name)
+            if seg is None or seg < 2:
+                continue
+            made_before = [sid for sid in u.input_storages if sid in storages and producer_seg.get(sid) == seg - 1]
+            if len(made_before) != 1:
+                continue
+            s = storages[made_before[0]]
+            if (not s.pinned and s.input_of == {seg} and s.savers <= {seg - 1, seg} and s.cheap_kept_by <= {seg - 1}
+                    and s.last_forward_use == seg):
+                chain[seg] = order.index(s.sid)
 
         points: list[_Point] = []
         transient: dict[int, int] = {}
@@ -227,6 +244,7 @@ class CostModel:
             compact_saving=compact_saving,
             compact_s=compact_s,
             compact_recompute=frozenset(graph.compact_recompute_units) & frozenset(compact_saving),
+            chain=chain,
         )
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float]) -> None:
@@ -349,6 +367,19 @@ class CostModel:
                          dtype=np.float64)
         held = m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
         values = m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep)
+        chained = [decisions.get(u) == Decision.RECOMPUTE_CHAIN for u in self.units]
+        if any(chained):
+            self.check_chain(decisions)
+            for seg, j in self.chain.items():
+                if not chained[seg - 1]:
+                    continue
+                for i, last in self.chain_points(seg):  # held there only while the whole chain seg..last is dropped
+                    e = 0.0 if last is None else float(all(chained[seg - 1:last]))
+                    values[i] += m["coef"][i, j] * (e - float(held[j]))
+                i = self._recompute_point(seg)
+                if i is not None and not (seg < len(chained) and chained[seg]):  # else the next unit's brought it
+                    values[i] += max([0] + [self.chain_transient(seg, l) for l in range(seg - 1, 0, -1)
+                                            if all(chained[l:seg])])
         for unit in compact:
             if unit not in self.compact_saving:
                 continue
@@ -357,6 +388,45 @@ class CostModel:
         if bits:
             values -= self.compress_gain_rows(bits)
         return self.fixed_bytes + int(round(values.max()))
+
+    def check_chain(self, decisions: dict[str, Decision]) -> None:
+        """Raise if a ``RECOMPUTE_CHAIN`` unit cannot drop its input: not eligible, or its previous unit is kept."""
+        for i, u in enumerate(self.units):
+            if decisions.get(u) != Decision.RECOMPUTE_CHAIN:
+                continue
+            if i + 1 not in self.chain:
+                raise ValueError(f"Unit {u!r} cannot recompute its input: it is not the previous unit's output alone, "
+                                 "or something besides this unit holds it. Give it another decision.")
+            if decisions.get(self.units[i - 1]) not in (Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN):
+                raise ValueError(f"Unit {u!r} recomputes its input from unit {self.units[i - 1]!r}, which must then be "
+                                 "recomputed too (decision recompute or recompute_chain).")
+
+    def chain_points(self, seg: int) -> list[tuple[int, int | None]]:
+        """The memory points where dropping unit ``seg``'s input moves the bytes, as (point index, last): the
+        input is absent there (``last`` None: forward, the head's backward), or it is back there only if every
+        unit from ``seg`` to ``last`` drops its input too (the backward of unit ``last`` recomputes the chain
+        down to its nearest kept input, and every boundary in between stays until its own unit's backward)."""
+        j = self.chain[seg]
+        coef = self._matrices()["coef"]
+        out: list[tuple[int, int | None]] = []
+        for i, p in enumerate(self.points):
+            if coef[i, j] == 0:
+                continue
+            if p.phase == "forward" or p.seg > len(self.units):
+                out.append((i, None))
+            elif p.seg >= seg:
+                out.append((i, p.seg))
+        return out
+
+    def chain_transient(self, seg: int, run: int) -> int:
+        """Bytes added at unit ``seg``'s recompute point when bringing its dropped input back runs unit ``run``'s
+        forward (it does when every unit from ``run + 1`` to ``seg`` drops its input and unit ``seg + 1`` does not;
+        if that one does, its own recompute brought this input back already): that forward's rise (without
+        autograd, so at most its traced rise) beyond the unit's own recompute, which comes after it."""
+        return max(0, self.transient.get(run, 0) - self.transient.get(seg, 0))
+
+    def _recompute_point(self, seg: int) -> int | None:
+        return next((i for i, p in enumerate(self.points) if p.phase == "recompute" and p.seg == seg), None)
 
     def _matrices(self) -> dict[str, np.ndarray]:
         cache = self.__dict__.get("_matrix_cache")
@@ -397,8 +467,10 @@ class CostModel:
     def recompute_time(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> float:
         total = sum(self.compact_s.get(u, 0.0) for u in compact)
         for name, d in decisions.items():
-            if d == Decision.RECOMPUTE:
+            if d in (Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN):
                 total += self.recompute_s.get(name, 0.0)
+            if d == Decision.RECOMPUTE_CHAIN:  # the previous unit's forward once more, to bring its output back
+                total += self.recompute_s.get(self.units[self.units.index(name) - 1], 0.0)
             elif d == Decision.RECOMPUTE_CHEAP:
                 total += self.recompute_cheap_s.get(name, 0.0)
         return total
@@ -406,8 +478,11 @@ class CostModel:
     def kept_bytes(self, unit: str, decisions: dict[str, Decision]) -> int:
         """Bytes held at the end of forward on account of ``unit`` (its saved tensors, or its inputs)."""
         seg = self.units.index(unit) + 1
+        dropped = {self.chain[k] for k in self.chain if decisions.get(self.units[k - 1]) == Decision.RECOMPUTE_CHAIN}
         total = 0
-        for s in self.storages:
+        for j, s in enumerate(self.storages):
+            if j in dropped:
+                continue
             owners = s.savers | s.input_of | s.cheap_kept_by
             if seg in owners and min(owners) == seg and self.held(s, decisions) and not s.pinned:
                 total += s.nbytes

@@ -22,6 +22,12 @@ class Decision(str, enum.Enum):
     """Only the unit's inputs are kept; its forward runs again in backward (non-reentrant checkpoint)."""
     RECOMPUTE_CHEAP = "recompute_cheap"
     """Outputs of matmul/conv/attention ops are kept; the cheap ops between them run again in backward."""
+    RECOMPUTE_CHAIN = "recompute_chain"
+    """Recomputed, and its input is not kept either: it is the output of the previous unit (recomputed too), run
+    again from that unit's input when backward reaches this unit. A run of these units is a checkpointed
+    segment (Chen et al. 2016) that holds only its first input between forward and backward; backward brings
+    its boundaries back from that input at once (one more forward of each unit but the last) and frees them one
+    unit at a time."""
 
 
 class InfeasibleBudgetError(ValueError):

@@ -3,7 +3,7 @@
 ``ilp`` is the joint 0-1 program (PuLP; HiGHS when installed, else CBC), warm-started from ``greedy``.
 The baselines produce Plans of the same type: ``none`` (PyTorch as is), ``all`` (every unit recomputed, as
 HF's ``gradient_checkpointing_enable`` and timm's ``set_grad_checkpointing`` do), ``sqrt`` (Chen et al. 2016:
-keep every ceil(sqrt(n))-th unit, recompute the rest) and ``greedy`` (recompute the unit that frees most
+segments of ceil(sqrt(n)) units that keep only their first input) and ``greedy`` (recompute the unit that frees most
 bytes per second of recompute until the prediction fits).
 """
 
@@ -42,8 +42,11 @@ def _decisions_all(model: CostModel, budget: int | None) -> Choice:
 
 
 def _decisions_sqrt(model: CostModel, budget: int | None) -> Choice:
+    """Chen et al.'s segments: ceil(sqrt(n)) units each; only a segment's first input is kept, the units after
+    the first drop theirs (``RECOMPUTE_CHAIN``) where they can, else keep it (``RECOMPUTE``)."""
     step = max(1, math.ceil(math.sqrt(len(model.units))))
-    d = {u: Decision.KEEP if (i + 1) % step == 0 else Decision.RECOMPUTE for i, u in enumerate(model.units)}
+    d = {u: Decision.RECOMPUTE_CHAIN if i % step and i + 1 in model.chain else Decision.RECOMPUTE
+         for i, u in enumerate(model.units)}
     return d, frozenset(), {}
 
 
@@ -165,6 +168,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             modes += [(Decision.KEEP, False), (Decision.KEEP, True)]
             if u in model.compact_recompute:  # its compact forms run inside the checkpoint, and again in recompute
                 modes.append((Decision.RECOMPUTE, True))
+        if i + 1 in model.chain and compress is None:  # lossless plans only: zoomem's store would not see the input
+            modes.append((Decision.RECOMPUTE_CHAIN, False))
+            if (Decision.RECOMPUTE, True) in modes:
+                modes.append((Decision.RECOMPUTE_CHAIN, True))
         for d, on in modes:
             x[u, d, on] = pulp.LpVariable(f"x_{i}_{d.value}{'_c' if on else ''}", 0, 1, cat)
             if warm is not None:
@@ -172,6 +179,15 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         prob += pulp.lpSum(x[u, d, on] for d, on in modes) == 1
         kept[u] = pulp.lpSum(x[u, d, on] for d, on in modes if d == Decision.KEEP)
     keep = lambda seg: kept[model.units[seg - 1]]  # noqa: E731
+    # a unit drops its input only if the unit before it is recomputed too (whose forward brings the input back)
+    drop: dict[int, pulp.LpAffineExpression] = {}
+    for seg in model.chain:
+        u, prev = model.units[seg - 1], model.units[seg - 2]
+        chained = [v for (w, d, _), v in x.items() if w == u and d == Decision.RECOMPUTE_CHAIN]
+        if chained:
+            drop[seg] = pulp.lpSum(chained)
+            prob += drop[seg] <= pulp.lpSum(v for (w, d, _), v in x.items() if w == prev and d in (
+                Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN))
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP, False), 0)  # noqa: E731
     h: dict[int, pulp.LpVariable | int] = {}
     for s in model.storages:
@@ -209,9 +225,48 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         if k not in unpacked:
             unpacked[k] = pulp.LpVariable(f"u_{k}", 0)
         prob += unpacked[k] >= s.nbytes * v
+    # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
+    # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)
+    chain_of = {model.storages[j].sid: seg for seg, j in model.chain.items() if seg in drop}
+    at: dict[tuple[int, int], int | None] = {}
+    for seg in drop:
+        for i, last in model.chain_points(seg):
+            at[seg, i] = last
+    z: dict[tuple[int, int], pulp.LpVariable] = {}
+
+    def chain_held(s, i):  # type: ignore[no-untyped-def]
+        seg = chain_of[s.sid]
+        if (seg, i) not in at:
+            return h[s.sid]
+        last = at[seg, i]
+        if last is None:
+            return h[s.sid] - drop[seg]
+        if (seg, last) not in z:
+            v = z[seg, last] = pulp.LpVariable(f"z_{seg}_{last}", 0, 1)
+            prob.addConstraint(v >= h[s.sid] - drop[seg])
+            if all(k in drop for k in range(seg, last + 1)):
+                prob.addConstraint(v >= pulp.lpSum(drop[k] for k in range(seg, last + 1)) - (last - seg))
+        return z[seg, last]
+
     peak = pulp.LpVariable("peak", 0) if limit is None else None
-    for p in model.points:
-        expr = p.measured + pulp.lpSum(k * (h[s.sid] - int(s.base_held)) for s, k in model._coefficients(p))
+    for i, p in enumerate(model.points):
+        expr = p.measured + pulp.lpSum(
+            k * ((chain_held(s, i) if s.sid in chain_of else h[s.sid]) - int(s.base_held))
+            for s, k in model._coefficients(p))
+        if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
+            runs = []
+            for run in range(p.seg - 1, 0, -1):
+                if not all(k in drop for k in range(run + 1, p.seg + 1)):
+                    break
+                if model.chain_transient(p.seg, run) > 0:
+                    runs.append((run, model.chain_transient(p.seg, run)))
+            if runs:
+                tau = pulp.LpVariable(f"tau_{p.seg}", 0)
+                after = drop.get(p.seg + 1, 0)  # the next unit dropping its input brought this one back already
+                for run, extra in runs:  # tau >= extra when units run + 1 .. seg all drop their inputs, seg + 1 not
+                    prob += tau * _PER_MIB >= extra * _PER_MIB * (
+                        pulp.lpSum(drop[k] for k in range(run + 1, p.seg + 1)) - (p.seg - run - 1) - after)
+                expr += tau
         for (u, d, on), v in x.items():
             if on:  # a gain can be negative (a cost)
                 expr -= model.compact_gain(p, u, d) * v
@@ -226,9 +281,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     time_cost = pulp.lpSum(
-        v * ((model.recompute_s[u] if d == Decision.RECOMPUTE else model.recompute_cheap_s[u] if d != Decision.KEEP
-              else 0.0) + (model.compact_s.get(u, 0.0) if on else 0.0))
-        for (u, d, on), v in x.items()
+        v * (model.recompute_time({u: d}) + (model.compact_s.get(u, 0.0) if on else 0.0)) for (u, d, on), v in x.items()
     )
     if q:
         assert compress is not None

@@ -23,7 +23,7 @@ from ..compress.sensitivity import estimate_sensitivity
 from ..planner.compression import SavedInfo, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore
-from .units import _restore_buffers
+from .units import restore_buffers
 
 __all__ = ["probe_saved", "EXACT_READS"]
 
@@ -125,7 +125,7 @@ def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
 def _no_trace(model: nn.Module) -> Iterator[None]:
     """Restore RNG streams and buffers afterwards: the probe must not change the training run."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), _restore_buffers(model):
+    with torch.random.fork_rng(devices=devices), restore_buffers(model):
         yield
 
 

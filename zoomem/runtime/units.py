@@ -20,10 +20,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..ops import op_spec
 from ..planner import EXPENSIVE_KINDS, Decision
 
-__all__ = ["run_unit"]
+__all__ = ["restore_buffers", "run_unit"]
 
 @contextlib.contextmanager
-def _restore_buffers(module: nn.Module) -> Iterator[None]:
+def restore_buffers(module: nn.Module) -> Iterator[None]:
     """Put the unit's buffers back after recomputation: running statistics are updated once per step."""
     buffers = [b for b in module.buffers() if b is not None]
     saved = [b.detach().clone() for b in buffers]
@@ -51,12 +51,28 @@ def _context_fn(
 
         @contextlib.contextmanager
         def recompute() -> Iterator[None]:
-            with _restore_buffers(module), rec, (replay() if replay else contextlib.nullcontext()):
+            with restore_buffers(module), rec, (replay() if replay else contextlib.nullcontext()):
                 yield
 
-        return fwd, recompute()
+        return fwd, _Reenterable(recompute)
 
     return make
+
+
+class _Reenterable:
+    """A context manager entered once per recomputation: a second backward through a retained graph recomputes
+    the unit again, and a generator-based context manager cannot be entered twice."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make, self.stack = make, []  # type: ignore[var-annotated]
+
+    def __enter__(self) -> None:
+        cm = self.make()
+        cm.__enter__()
+        self.stack.append(cm)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.stack.pop().__exit__(*exc)
 
 def run_unit(
     module: nn.Module,

@@ -35,7 +35,8 @@ from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched
 from .patch import set_forward
 from .probe import probe_saved
 from .storage import SavedTensorStore
-from .units import run_unit
+from .chain import Chain, Recipe
+from .units import restore_buffers, run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
 
@@ -51,6 +52,9 @@ class _Active:
     decisions: dict[str, Decision]
     compact: frozenset[str]
     store: SavedTensorStore | None = None
+    feeds_chain: frozenset[str] = frozenset()
+    """Units whose next unit drops its input (``RECOMPUTE_CHAIN``): they register how to bring it back."""
+    chain: Chain | None = None
 
     @classmethod
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
@@ -58,7 +62,8 @@ class _Active:
         compact = frozenset(u.name for u in plan.units if u.compact)
         if plan.level not in ("", "L0"):  # compression modes also run compact forms outside the units
             compact |= {OUTSIDE_UNITS}
-        return cls(plan.decisions, compact, store)
+        feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
+        return cls(plan.decisions, compact, store, feeds, Chain() if feeds else None)
 
     def hooks(self, model: nn.Module, batch: Batch) -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
         """The store's hooks around one forward of ``model`` on ``batch`` (a no-op when nothing is lossy)."""
@@ -599,6 +604,8 @@ def wrap(
             with handle.active.hooks(model, batch):
                 return original(*args, **kwargs)
         finally:
+            if handle.active.chain is not None:
+                handle.active.chain.close()
             handle.active = None
 
     # a method of the model, looking like the original: wrappers that rebind `forward.__func__` (Accelerate's
@@ -639,10 +646,24 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             finally:
                 handle.active = previous
 
-        if active is not None and active.store is not None:
-            with active.store.unit(unit.name, args, kwargs):
-                return run_unit(unit.module, original, decision, args, kwargs, replay)
-        return run_unit(unit.module, original, decision, args, kwargs, replay)
+        chain = active.chain if active is not None and torch.is_grad_enabled() else None
+        recipe = None
+        if chain is not None and unit.name in active.feeds_chain:  # type: ignore[union-attr]
+            @contextlib.contextmanager
+            def restore() -> Iterator[None]:
+                with replay(), restore_buffers(unit.module):
+                    yield
+
+            recipe = Recipe(original, *chain.args_for_recipe(args, kwargs), restore=restore)
+        with contextlib.ExitStack() as stack:
+            if active is not None and active.store is not None:
+                stack.enter_context(active.store.unit(unit.name, args, kwargs))
+            if chain is not None and decision == Decision.RECOMPUTE_CHAIN:
+                stack.enter_context(chain.dropping())
+            out = run_unit(unit.module, original, decision, args, kwargs, replay)
+        if recipe is not None:
+            chain.register(out, recipe)  # type: ignore[union-attr]
+        return out
 
     return forward
 
