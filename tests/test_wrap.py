@@ -329,3 +329,40 @@ def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
         costs.peak({**decisions, costs.units[0]: Decision.KEEP})
     with pytest.raises(ValueError, match="cannot recompute its input"):
         costs.peak({**decisions, costs.units[0]: Decision.RECOMPUTE_CHAIN})
+
+
+def test_an_input_changed_in_place_between_units_is_kept() -> None:
+    """A model that edits a unit's output in place before the next unit takes it: the previous unit's forward would
+    bring back the old values, so the runtime keeps that input instead of dropping it (gradients stay exact)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(self.lin(x))  # sin saves its input: changing its output in place is legal
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, b in enumerate(self.blocks):
+                x = b(x)
+                if i == 0:
+                    x.mul_(2.0)  # in place on block 0's output, before block 1 takes it
+            return x
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(64, 16)
+    reference = copy.deepcopy(model)
+    reference(x).square().sum().backward()
+    zoomem.register_layer(Block)
+    zoomem.wrap(model, 10**12, strategy="sqrt", batch=(x,), loss_fn=lambda out, b: out.square().sum())
+    plan = next(iter(model._zoomem.plans.values()))
+    assert plan.units[1].decision == Decision.RECOMPUTE_CHAIN  # planned: the trace cannot see the edit coming
+    model(x).square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), n

@@ -83,12 +83,12 @@ class Chain:
     """One forward's registry of unit outputs that the next unit's checkpoint drops (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._outputs: dict[tuple[str, int], tuple[weakref.ref, Recipe, int]] = {}
+        self._outputs: dict[tuple[str, int], tuple[weakref.ref, Recipe, int, int]] = {}
 
     def register(self, output: Any, recipe: Recipe) -> None:
         for i, t in enumerate(tree_flatten(output)[0]):
             if isinstance(t, torch.Tensor) and t.numel() > 0 and t.is_floating_point():
-                self._outputs[self._key(t)] = (weakref.ref(t), recipe, i)
+                self._outputs[self._key(t)] = (weakref.ref(t), recipe, i, t._version)
 
     def ref_of(self, t: torch.Tensor) -> "_Ref | None":
         """The registered output ``t`` is (or views), while that output is alive; else None."""
@@ -98,8 +98,10 @@ class Chain:
         if hit is None:
             return None
         base = hit[0]()
-        if base is None or base.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        if base is None:
             return None  # that output is gone: the address belongs to another tensor now
+        if t._version != hit[3]:
+            return None  # changed in place since its unit returned it: the recipe would bring back the old values
         return _Ref(hit[1], hit[2], t, base)
 
     def args_for_recipe(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
