@@ -121,7 +121,7 @@ class Plan:
 
     def summary(self) -> str:
         """Per unit: decision, bytes kept, recompute cost; then the predicted peak against plain PyTorch."""
-        head = f"{'unit':<34} {'decision':<24} {'kept MiB':>9} {'recompute ms':>13}"
+        head = f"{'unit':<34} {'decision':<26} {'kept MiB':>9} {'recompute ms':>13}"
         lines = [
             f"zoomem plan ({self.strategy}{', ' + self.solver if self.solver else ''}, status {self.status}, "
             f"solved in {self.solve_s:.2f} s)",
@@ -130,7 +130,7 @@ class Plan:
         ]
         for u in self.units:
             lines.append(
-                f"{u.name[:34]:<34} {u.decision.value + (' + compact' if u.compact else ''):<24} "
+                f"{u.name[:34]:<34} {u.decision.value + (' + compact' if u.compact else ''):<26} "
                 f"{u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
             )
         lines.append("-" * len(head))

@@ -168,7 +168,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             modes += [(Decision.KEEP, False), (Decision.KEEP, True)]
             if u in model.compact_recompute:  # its compact forms run inside the checkpoint, and again in recompute
                 modes.append((Decision.RECOMPUTE, True))
-        if i + 1 in model.chain and compress is None:  # lossless plans only: zoomem's store would not see the input
+        if i + 1 in model.chain:
             modes.append((Decision.RECOMPUTE_CHAIN, False))
             if (Decision.RECOMPUTE, True) in modes:
                 modes.append((Decision.RECOMPUTE_CHAIN, True))
