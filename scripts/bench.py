@@ -1025,8 +1025,9 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path, title: str) -> Non
         ax.plot([m["overhead"] for m in ilp], [m["fwd_bwd_peak_mib"] for m in ilp], "o-", color="tab:blue",
                 label="zoomem ILP (budget % of PyTorch)", zorder=3)
         for m in ilp:
-            ax.annotate(m["budget"].replace(" (", "\n("), (m["overhead"], m["fwd_bwd_peak_mib"]), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points", color="tab:blue")
+            below = m["method"] == "ilp@below-all"  # beside `min`, often: its label goes under the point
+            ax.annotate(m["budget"].replace(" (", "\n(").replace(" of ", "\nof "), (m["overhead"], m["fwd_bwd_peak_mib"]),
+                        fontsize=7, xytext=(4, -16 if below else 3), textcoords="offset points", color="tab:blue")
         for m in rows:
             if m["method"] in peer_style:
                 marker, color, size = peer_style[m["method"]]
