@@ -55,7 +55,9 @@ def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
     decisions that fit (keep, recompute, recompute cheap, and recompute with the input dropped where a unit may),
     up to the solver's proven gap ``MIP_GAP`` (compact forms off: none are measured in a bare trace)."""
     costs = bert_costs
+    assert sorted(costs.chain) == [2, 3, 4]  # each layer's input but the first's may be dropped
     everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
+    assert any(Decision.RECOMPUTE_CHAIN in d.values() for d, _, _ in everything)
     floor = min(p for _, p, _ in everything)
     top = max(p for _, p, _ in everything)
     assert floor < 0.8 * top  # recomputation matters at this size: the budgets below differ
@@ -92,3 +94,23 @@ def test_group_sharing_uses_the_median() -> None:
 
     shared = _share_by_group({"a": 1.0, "b": 3.0, "c": 2.0, "d": 9.0}, {"a": 0, "b": 0, "c": 0, "d": 1})
     assert shared == {"a": 2.0, "b": 2.0, "c": 2.0, "d": 9.0}
+
+
+def test_greedy_fits_every_budget_that_all_fits_whatever_the_timings() -> None:
+    """Greedy moves one unit at a time; where two units bind the peak together no single move lowers it, and it
+    used to stop there and fail budgets that ``all`` meets (12 of 40 timing draws on this model, which made the
+    strategies test flaky on a loaded machine). Then it recomputes the rest."""
+    import copy
+    import random
+
+    model, adapter, batch = zoo.small("timm/resnet50", batch_size=16)
+    costs = CostModel.from_graph(zoomem.trace(model, batch, adapter=adapter))
+    top = make_plan(costs, None, "none").predicted_peak_bytes
+    floor = make_plan(costs, None, "all").predicted_peak_bytes
+    budget = (top + floor) // 2
+    for seed in range(40):
+        rnd = random.Random(seed)
+        noisy = copy.copy(costs)
+        noisy.recompute_s = {u: t * rnd.uniform(0.5, 2) for u, t in costs.recompute_s.items()}
+        noisy.recompute_cheap_s = {u: t * rnd.uniform(0.5, 2) for u, t in costs.recompute_cheap_s.items()}
+        assert make_plan(noisy, budget, "greedy").predicted_peak_bytes <= budget, seed

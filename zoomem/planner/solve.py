@@ -79,7 +79,11 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
             score = (peak - p) / (cost + 1e-9)
             if p < peak and score > best_score:
                 best, best_score, best_peak = (trial_d, trial_c), score, p
-        if best is None:
+        if best is None:  # no single move lowers the binding point (two units bind it together): recompute the rest
+            rest = {u: Decision.RECOMPUTE for u, d in decisions.items() if d != Decision.RECOMPUTE}
+            if rest:
+                decisions = {**decisions, **rest}
+                compact = frozenset(u for u in compact if u not in rest or u in model.compact_recompute)
             break
         decisions, compact = best
         peak = best_peak
