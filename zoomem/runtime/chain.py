@@ -26,16 +26,21 @@ __all__ = ["Chain", "Recipe"]
 class Recipe:
     """How to run one unit's forward again: function, arguments, and the state it first ran under."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, restore: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, restore: Callable[[], Any],
+                 ran_on: tuple[tuple, dict]) -> None:
+        """``args``/``kwargs`` as the recipe will pass them (dropped inputs as references); ``ran_on`` the
+        arguments the forward actually got, whose devices say which RNG states to keep (as the checkpoint does:
+        a reference in place of the only CUDA input would leave CUDA's dropout masks unrestored)."""
         self.fn, self.restore = fn, restore
         self.args, self.kwargs = args, kwargs
-        self.device_type = _infer_device_type(*[a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)])
+        tensors = [a for a in tree_flatten(ran_on)[0] if isinstance(a, torch.Tensor)]
+        self.device_type = _infer_device_type(*tensors)
         self.cpu_rng = torch.get_rng_state()
         self.devices: list[int] = []
         self.device_states: list[torch.Tensor] = []
         module = getattr(torch, self.device_type, None)
         if getattr(module, "_initialized", False):
-            self.devices, self.device_states = get_device_states(*args, *kwargs.values())
+            self.devices, self.device_states = get_device_states(*tensors)
         self.autocast, self.cpu_autocast = _get_autocast_kwargs(self.device_type)
         self.cache: list[Any] | None = None
 

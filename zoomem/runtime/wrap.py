@@ -654,7 +654,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
                 with replay(), restore_buffers(unit.module):
                     yield
 
-            recipe = Recipe(original, *chain.args_for_recipe(args, kwargs), restore=restore)
+            recipe = Recipe(original, *chain.args_for_recipe(args, kwargs), restore=restore, ran_on=(args, kwargs))
         with contextlib.ExitStack() as stack:
             if active is not None and active.store is not None:
                 stack.enter_context(active.store.unit(unit.name, args, kwargs))
