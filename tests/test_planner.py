@@ -24,7 +24,7 @@ def bert_costs() -> CostModel:
     return CostModel.from_graph(graph)
 
 
-def _choices(costs: CostModel) -> list[dict[str, Decision]]:
+def _choices(costs: CostModel, max_chain: int = 10**9) -> list[dict[str, Decision]]:
     per_unit = []
     for u in costs.units:
         ds = [Decision.KEEP, Decision.RECOMPUTE]
@@ -40,7 +40,12 @@ def _choices(costs: CostModel) -> list[dict[str, Decision]]:
             costs.check_chain(d)
         except ValueError:
             continue
-        out.append(d)
+        run = longest = 0
+        for x in combo:
+            run = run + 1 if x == Decision.RECOMPUTE_CHAIN else 0
+            longest = max(longest, run)
+        if longest <= max_chain:
+            out.append(d)
     return out
 
 
@@ -50,13 +55,20 @@ def test_identical_units_share_their_costs(bert_costs: CostModel) -> None:
     assert len(set(bert_costs.recompute_cheap_s.values())) == 1
 
 
-def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
+@pytest.mark.parametrize("max_chain", [None, 1])
+def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel, max_chain: int | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """For every budget between the floor and plain PyTorch, the ILP's recompute time is the best of all valid unit
     decisions that fit (keep, recompute, recompute cheap, and recompute with the input dropped where a unit may),
-    up to the solver's proven gap ``MIP_GAP`` (compact forms off: none are measured in a bare trace)."""
+    up to the solver's proven gap ``MIP_GAP`` (compact forms off: none are measured in a bare trace); with the
+    program's cap on runs of dropped inputs set to 1, the best of the decisions without two in a row."""
+    from zoomem.planner import solve
+
+    if max_chain is not None:
+        monkeypatch.setattr(solve, "MAX_CHAIN", max_chain)
     costs = bert_costs
     assert sorted(costs.chain) == [2, 3, 4]  # each layer's input but the first's may be dropped
-    everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
+    everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs, max_chain or 10**9)]
     assert any(Decision.RECOMPUTE_CHAIN in d.values() for d, _, _ in everything)
     floor = min(p for _, p, _ in everything)
     top = max(p for _, p, _ in everything)
@@ -68,6 +80,7 @@ def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel) -> None:
         assert choice is not None and info["status"] == "optimal", info
         decisions = choice[0]
         assert costs.peak(decisions) <= budget
+        assert decisions in [d for d, _, _ in everything]  # a valid choice, within the cap on runs
         t = costs.recompute_time(decisions)
         assert best - 1e-9 <= t <= best * (1 + MIP_GAP) + 1e-9, (frac, decisions, t, best)
 

@@ -90,6 +90,13 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
     return decisions, compact, {}
 
 
+MAX_CHAIN = 16
+"""The program's longest run of units that drop their inputs (``RECOMPUTE_CHAIN``). Whether a dropped input is back
+during a later unit's backward depends on every unit between them, so the program needs terms for each pair within
+a run: capped, they grow with units x MAX_CHAIN, not units squared (an 80-layer model would be 80 x 80). Chen et
+al.'s segments are sqrt(n) long: 16 covers models of 256 units."""
+
+
 MIP_GAP = 0.02
 """The budget-constrained program stops once its plan is proven within this fraction of the best plan's time.
 
@@ -192,6 +199,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             drop[seg] = pulp.lpSum(chained)
             prob += drop[seg] <= pulp.lpSum(v for (w, d, _), v in x.items() if w == prev and d in (
                 Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN))
+    for seg in drop:  # at most MAX_CHAIN dropped inputs in a row
+        window = range(seg, seg + MAX_CHAIN + 1)
+        if all(k in drop for k in window):
+            prob += pulp.lpSum(drop[k] for k in window) <= MAX_CHAIN
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP, False), 0)  # noqa: E731
     h: dict[int, pulp.LpVariable | int] = {}
     for s in model.storages:
@@ -243,7 +254,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         if (seg, i) not in at:
             return h[s.sid]
         last = at[seg, i]
-        if last is None:
+        if last is None or last - seg >= MAX_CHAIN:  # absent (a longer run of dropped inputs is ruled out)
             return h[s.sid] - drop[seg]
         if (seg, last) not in z:
             v = z[seg, last] = pulp.LpVariable(f"z_{seg}_{last}", 0, 1)
@@ -259,7 +270,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             for s, k in model._coefficients(p))
         if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
             runs = []
-            for run in range(p.seg - 1, 0, -1):
+            for run in range(p.seg - 1, max(0, p.seg - MAX_CHAIN - 1), -1):
                 if not all(k in drop for k in range(run + 1, p.seg + 1)):
                     break
                 if model.chain_transient(p.seg, run) > 0:
