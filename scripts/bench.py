@@ -1108,6 +1108,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.render:
         return render_sweep(json.loads(Path(args.render).read_text()), args)
+    if args.plot is None:
+        args.plot = "benchmarks/sweep.png"
     models = args.models or list(SWEEP_SIZES)
     if not _known_models(models, zoo.SMALL if args.quick else SWEEP_SIZES, args.quick, "sweep size"):
         return 2
@@ -1924,7 +1926,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (median; default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, untimed (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/sweep.json", help="JSON output (default: %(default)s)")
-    p.add_argument("--plot", default="benchmarks/sweep.png", help="PNG output; '' for none (default: %(default)s)")
+    p.add_argument("--plot", help="PNG output; '' for none (default: benchmarks/sweep.png when running, none with "
+                   "--render, which would otherwise overwrite the stored run's plot with another JSON's)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")

@@ -64,6 +64,10 @@ def test_bench_sweep_quick(tmp_path):
                               timeout=120)
     assert rendered.returncode == 0, rendered.stderr[-4000:]
     assert rendered.stdout == proc.stdout and again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tables_only = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out)],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert tables_only.returncode == 0, tables_only.stderr[-4000:]
+    assert not (tmp_path / "benchmarks").exists()  # --render draws only where --plot says (no default overwrite)
 
     data = json.loads(out.read_text())
     assert data["benchmark"] == "sweep" and data["settings"]["quick"] is True
