@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zoomem
+from zoomem.compress.quantize import quantized_nbytes
 from zoomem.measure import MemoryMeter
 from zoomem.runtime.storage import SavedTensorStore
 from zoomem.zoo import small
@@ -156,6 +157,42 @@ def test_views_of_saved_tensors_unpack_to_their_own_values() -> None:
         torch.testing.assert_close(got, plain, rtol=0.05, atol=0.05 * float(plain.abs().max()))
         if not bits:
             assert torch.equal(got, plain)
+
+
+def test_a_view_saved_before_its_contiguous_tensor_is_stored_once() -> None:
+    """Attention saves its output transposed, the projection after it the same memory contiguous: one packed form
+    (the view becomes a view of it), its gradient the plain one where exact, and the probe counts the bytes once."""
+    x = torch.randn(4, 16, 8, 32, requires_grad=True)
+    w1, w2 = torch.randn(4, 8, 16, 32, requires_grad=True), torch.randn(512, 64, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        out = (x * 2).transpose(1, 2)  # [4, 8, 16, 32], memory laid out as [4, 16, 8, 32]
+        first = (out * w1).sum()  # saves the transposed view (for w1's gradient)
+        flat = out.transpose(1, 2).reshape(512, 32)  # the same memory, contiguous
+        return first + (flat @ w2[:32]).square().sum()  # saves it again (for w2's gradient)
+
+    params = (x, w1, w2)
+    plain = torch.autograd.grad(loss(), params)
+    record = SavedTensorStore(record=True)
+    with record.hooks():
+        loss()
+    big = {k: i for k, i in record.infos.items() if i.numel == 4 * 16 * 8 * 32 and not (i.lossy or "").startswith("leaf")}
+    assert sorted(i.lossy or "" for i in big.values())[0] == ""  # one of them may be stored lossily ...
+    assert [i.nbytes for i in big.values()].count(0) == 1  # ... the other is its duplicate, counted once
+    (dup,) = [k for k, i in big.items() if i.nbytes == 0]
+    (base,) = [k for k in big if k != dup]
+    assert record.infos[dup].lossy == f"duplicate of {base}"
+    for bits in ({}, {base: 8}, {dup: 8}):  # the duplicate's own bits no longer matter
+        store = SavedTensorStore(bits=bits)
+        with store.hooks():
+            out = loss()
+        got = torch.autograd.grad(out, params)
+        assert store.packed_nbytes == (0 if base not in bits else quantized_nbytes((512, 32), 8))
+        for a, b in zip(got, plain):
+            if base in bits:
+                torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()))
+            else:
+                assert torch.equal(a, b)
 
 
 def test_gat_eight_bits_close_to_exact() -> None:

@@ -11,7 +11,9 @@ tensors the same way every time. What the store does with a tensor depends on it
 - otherwise it is kept as is.
 
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
-gets the first one's packed object. Autograd owns the packed objects, so ``retain_graph=True`` and double backward
+gets the first one's packed object. So is a view saved beside the contiguous tensor it lies in, in either order
+(attention's output, saved transposed by attention and contiguous by the projection after it): the view becomes
+a view of that tensor's packed form. Autograd owns the packed objects, so ``retain_graph=True`` and double backward
 work. Lossy-eligible means floating, at least ``min_numel`` elements, computed in the forward (not a leaf: not a
 parameter, buffer or input) and not a copy or view of a parameter (autocast's fp16 weights); a tensor holding NaN
 or Inf stays exact.
@@ -132,6 +134,7 @@ class SavedTensorStore:
     _counts: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
     _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
+    _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
     _leaves: frozenset[int] | None = None
 
@@ -157,7 +160,8 @@ class SavedTensorStore:
         """Enter the hooks for one forward of ``model`` on ``args``/``kwargs`` (which tell what already exists
         before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
         owns them) so nothing outlives the backward that needs it."""
-        self._region, self._counts, self._seen, self._input_ptrs, self._bases = "<stem>", {}, {}, {}, {}
+        self._region, self._counts, self._seen, self._input_ptrs = "<stem>", {}, {}, {}
+        self._bases, self._loose = {}, {}
         self._leaves = None if model is None else frozenset(
             _ptr(t) for t in (*model.parameters(), *model.buffers(), *_tensors(args, kwargs or {})))
         try:
@@ -166,7 +170,7 @@ class SavedTensorStore:
         finally:
             packed = [ref() for _, ref, _ in self._seen.values()]
             self.packed_nbytes = sum(p.quantized.nbytes for p in packed if p is not None and p.quantized is not None)
-            self._seen, self._input_ptrs, self._bases = {}, {}, {}
+            self._seen, self._input_ptrs, self._bases, self._loose = {}, {}, {}, {}
             if not self.record:
                 self.tensors = {}
 
@@ -209,17 +213,42 @@ class SavedTensorStore:
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
         self._seen[ident] = (weakref.ref(t), weakref.ref(packed), key)
+        where = (_ptr(t), t.dtype, t.device)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
-            self._bases.setdefault((_ptr(t), t.dtype, t.device), []).append(
+            self._bases.setdefault(where, []).append(
                 (weakref.ref(t), weakref.ref(packed), t.storage_offset(), t.numel()))
+            self._adopt_loose(where, packed, key, t.storage_offset(), t.numel())
+        elif strided and all(s >= 0 for s in t.stride()):  # a contiguous tensor saved later may hold it
+            self._loose.setdefault(where, []).append(
+                (weakref.ref(t), weakref.ref(packed), *_span(t)))
         return packed
+
+    def _adopt_loose(self, where: tuple, base: _Packed, base_key: str, offset: int, numel: int) -> None:
+        """Make the views saved earlier that lie in ``base``'s memory views of its packed form: their own packed
+        forms (a second quantized copy of the same bytes) are dropped. The weak reference to each view's tensor
+        proves its memory is still the one ``base`` lies in (a dead one's address may have been reused)."""
+        kept = []
+        for entry in self._loose.get(where, ()):
+            ref, packed_ref, lo, hi = entry
+            t, packed = ref(), packed_ref()
+            if t is None or packed is None:
+                continue
+            if not (offset <= lo and hi < offset + numel):
+                kept.append(entry)
+                continue
+            packed.tensor, packed.quantized, packed.device = None, None, None
+            packed.view_of = (base, tuple(t.shape), tuple(t.stride()), lo - offset)
+            if self.record and packed.key in self.infos:
+                old = self.infos[packed.key]
+                self.infos[packed.key] = SavedInfo(old.key, old.region, old.shape, old.dtype, 0,
+                                                   f"duplicate of {base_key}", input_of=old.input_of)
+        self._loose[where] = kept
 
     def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
         """A packed contiguous tensor whose memory holds all of ``t`` (``t`` a view of it), as a view of it."""
         if any(s < 0 for s in t.stride()):
             return None
-        lo = t.storage_offset()
-        hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        lo, hi = _span(t)
         for ref, packed_ref, offset, numel in self._bases.get((_ptr(t), t.dtype, t.device), ()):
             packed = packed_ref()
             if ref() is not None and packed is not None and offset <= lo and hi < offset + numel:
@@ -236,6 +265,12 @@ def _zero_or_one_value(t: torch.Tensor) -> bool:
     """Whether ``t`` holds only 0 and one other value (its maximum)."""
     top = t.amax()
     return bool(((t == 0) | (t == top)).all())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and last storage element a strided tensor with non-negative strides touches."""
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def _ptr(t: torch.Tensor) -> int:
