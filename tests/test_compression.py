@@ -91,7 +91,7 @@ def test_auto_goes_below_what_recomputation_alone_reaches() -> None:
     model.zero_grad(set_to_none=True)  # as a training loop does before its forward
     with pytest.raises(zoomem.InfeasibleBudgetError) as lossless:
         zoomem.plan(model, batch.args[0], budget=1)
-    budget = int(lossless.value.min_budget * 0.85)
+    budget = int(lossless.value.min_budget * 0.97)  # lossless plans reach 80 MiB here (the stem's compact forms)
     zoomem.wrap(model, budget=budget, compress="auto", batch=batch.args[0])
     plan = _plan(model)
     assert plan.level == "auto" and plan.bits

@@ -91,8 +91,10 @@ class OpGraph:
         saved_storages: the subset saved by autograd.
         fixed_bytes: parameters, buffers and batch (bytes that exist before the step).
         timeline: the plain step's measured memory, segment by segment (empty when not measured).
+        timeline_outside: the same with the memory-efficient implementations of the modules outside every unit
+            installed (a head's linear, a stem's pooling); filled by the runtime when it plans.
         timeline_compact: the same with every memory-efficient implementation the runtime would use installed
-            (units ``compact_units``); filled by the runtime when it plans.
+            (units ``compact_units``, and those outside the units); filled by the runtime when it plans.
         compact_recompute_units: those of ``compact_units`` whose compact forms all run inside the unit, so a
             recomputation of the unit runs them again (not a form wrapping the unit's own forward).
     """
@@ -111,6 +113,7 @@ class OpGraph:
     param_bytes: int = 0
     step_time_s: float = 0.0
     timeline: list[SegmentStat] = field(default_factory=list)
+    timeline_outside: list[SegmentStat] = field(default_factory=list)
     timeline_compact: list[SegmentStat] = field(default_factory=list)
     compact_units: list[str] = field(default_factory=list)
     compact_recompute_units: list[str] = field(default_factory=list)
@@ -213,6 +216,7 @@ class OpGraph:
         d["storages"] = {int(k): int(v) for k, v in d["storages"]}
         d["units"] = [UnitInfo(**u) for u in d["units"]]
         d["timeline"] = [SegmentStat(**t) for t in d.get("timeline", [])]
+        d["timeline_outside"] = [SegmentStat(**t) for t in d.get("timeline_outside", [])]
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         return cls(**d)
 

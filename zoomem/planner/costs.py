@@ -25,7 +25,11 @@ from ..graph.model import is_activation
 from .compression import SavedInfo
 from .plan import Decision
 
-__all__ = ["CostModel", "EXPENSIVE_KINDS"]
+__all__ = ["CostModel", "EXPENSIVE_KINDS", "OUTSIDE_UNITS"]
+
+OUTSIDE_UNITS = "<outside>"
+"""The compact switch of the modules no unit contains (a head's linear, a stem's pooling, PyG's activations
+between convs): never recomputed, so their exact compact forms are a plan-wide choice, not a unit's."""
 
 EXPENSIVE_KINDS = frozenset({"matmul", "conv", "attention", "embedding"})
 """Op kinds whose outputs ``RECOMPUTE_CHEAP`` keeps: recomputing them costs most of a unit's time."""
@@ -74,6 +78,8 @@ class CostModel:
     saved_seg: list[int] = field(default_factory=list)
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     grad_sq: float = 0.0
+    outside_gain: list[int] = field(default_factory=list)
+    """Per memory point: bytes the compact forms outside the units take off (measured; empty: none to use)."""
     chain: dict[int, int] = field(default_factory=dict)
     """Unit segment -> index in ``storages`` of the input that ``RECOMPUTE_CHAIN`` may drop: the unit's one
     activation input made by the unit before it, needed by nothing else (no other unit takes it, nothing outside
@@ -170,19 +176,24 @@ class CostModel:
                     and s.last_forward_use == seg):
                 chain[seg] = order.index(s.sid)
 
-        points: list[_Point] = []
+        points = _points(graph.timeline, head)
         transient: dict[int, int] = {}
         unit_time = {seg: 0.0 for seg in range(head + 1)}
         for seg in range(head + 1):
             f = [t for t in graph.timeline if t.seg == seg and t.phase == "forward"]
-            b = [t for t in graph.timeline if t.seg == seg and t.phase == "backward"]
             if f:
-                points.append(_Point("forward", seg, max(t.peak_bytes for t in f)))
                 transient[seg] = f[0].peak_bytes - f[0].start_bytes  # the unit's own forward, run again
                 unit_time[seg] = f[0].time_s
-            if b:
-                points.append(_Point("backward", seg, max(t.peak_bytes for t in b)))
-                points.append(_Point("recompute", seg, b[0].start_bytes))
+        # the compact forms outside the units: a measured offset per point; the units' own compact forms are then
+        # measured against the step with those on (they are on in every plan that uses any)
+        base = graph.timeline
+        outside_gain: list[int] = []
+        outside_s = 0.0
+        if graph.timeline_outside and [(t.seg, t.phase) for t in graph.timeline_outside] == [
+                (t.seg, t.phase) for t in graph.timeline]:
+            outside_gain = [p.measured - o.measured for p, o in zip(points, _points(graph.timeline_outside, head))]
+            outside_s = max(0.0, sum(o.time_s - t.time_s for t, o in zip(graph.timeline, graph.timeline_outside)))
+            base = graph.timeline_outside
 
         # RECOMPUTE_CHEAP caches matmul/conv outputs; a unit that later mutates one in place cannot use it
         cached = {seg: set() for seg in range(1, len(units) + 1)}
@@ -211,12 +222,12 @@ class CostModel:
         times, cheap = _share_by_group(times, group), _share_by_group(cheap, group)
         compact_saving: dict[str, tuple[int, int, int]] = {}
         compact_s: dict[str, float] = {}
-        if graph.timeline_compact and len(graph.timeline_compact) == len(graph.timeline):
+        if graph.timeline_compact and len(graph.timeline_compact) == len(base):
             for name in graph.compact_units:
                 seg = seg_of_unit.get(name)
                 if seg is None:
                     continue
-                pairs = [(a, b) for a, b in zip(graph.timeline, graph.timeline_compact) if a.seg == seg]
+                pairs = [(a, b) for a, b in zip(base, graph.timeline_compact) if a.seg == seg]
                 fwd = [(a, b) for a, b in pairs if a.phase == "forward"]
                 bwd = [(a, b) for a, b in pairs if a.phase == "backward"]
                 if not fwd:
@@ -231,6 +242,8 @@ class CostModel:
                     compact_saving[name] = gains
                     compact_s[name] = max(0.0, sum(y.time_s - x.time_s for x, y in pairs))
         compact_s = _share_by_group(compact_s, group)
+        if outside_gain:
+            compact_s[OUTSIDE_UNITS] = outside_s
         return cls(
             units=units,
             fixed_bytes=graph.fixed_bytes,
@@ -244,6 +257,7 @@ class CostModel:
             compact_saving=compact_saving,
             compact_s=compact_s,
             compact_recompute=frozenset(graph.compact_recompute_units) & frozenset(compact_saving),
+            outside_gain=outside_gain,
             chain=chain,
         )
 
@@ -342,12 +356,12 @@ class CostModel:
         seg = self.units.index(unit) + 1
         if point.seg > seg:  # its compact forms are what it holds, if it holds its tensors at all
             return held if decision == Decision.KEEP else 0
-        if point.seg == seg:
+        if point.seg == seg:  # its backward starts with what it holds (kept, or recomputed just before)
             if point.phase == "forward":
                 return local_fwd
             if point.phase == "backward":
-                return local_bwd
-            return local_fwd if decision != Decision.KEEP else 0  # recompute runs the compact forward again
+                return held + local_bwd
+            return local_fwd if decision != Decision.KEEP else held  # recompute runs the compact forward again
         return 0
 
     def peak(
@@ -380,6 +394,8 @@ class CostModel:
                 if i is not None and not (seg < len(chained) and chained[seg]):  # else the next unit's brought it
                     values[i] += max([0] + [self.chain_transient(seg, l) for l in range(seg - 1, 0, -1)
                                             if all(chained[l:seg])])
+        if OUTSIDE_UNITS in compact and self.outside_gain:
+            values -= m["outside"]
         for unit in compact:
             if unit not in self.compact_saving:
                 continue
@@ -460,9 +476,20 @@ class CostModel:
             "measured": np.array([float(p.measured) for p in self.points]),
             "savers": savers, "inputs": inputs, "cheap": cheap, "coef": coef, "transient": transient,
             "gain_keep": gain_keep, "gain_rec": gain_rec,
+            "outside": np.array([float(g) for g in self.outside_gain]) if self.outside_gain else np.zeros(npt),
         }
         self.__dict__["_matrix_cache"] = cache
         return cache
+
+    def outside_helps(self) -> bool:
+        """Whether plans run the compact forms outside the units: they are exact, and used where they lower (or
+        keep) the peak both of keeping every unit and of recomputing every unit (a form's forward may need more
+        scratch than the stock op's at its own point)."""
+        if not self.outside_gain:
+            return False
+        on = frozenset({OUTSIDE_UNITS})
+        return all(self.peak(d, on) <= self.peak(d) for d in (
+            {u: Decision.KEEP for u in self.units}, {u: Decision.RECOMPUTE for u in self.units}))
 
     def recompute_time(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> float:
         total = sum(self.compact_s.get(u, 0.0) for u in compact)
@@ -487,6 +514,21 @@ class CostModel:
             if seg in owners and min(owners) == seg and self.held(s, decisions) and not s.pinned:
                 total += s.nbytes
         return total
+
+
+def _points(timeline: list, head: int) -> list[_Point]:
+    """The memory points of a measured timeline: per segment, its forward peak, its backward peak, and the bytes
+    live when its backward starts (where a recomputation runs)."""
+    points: list[_Point] = []
+    for seg in range(head + 1):
+        f = [t for t in timeline if t.seg == seg and t.phase == "forward"]
+        b = [t for t in timeline if t.seg == seg and t.phase == "backward"]
+        if f:
+            points.append(_Point("forward", seg, max(t.peak_bytes for t in f)))
+        if b:
+            points.append(_Point("backward", seg, max(t.peak_bytes for t in b)))
+            points.append(_Point("recompute", seg, b[0].start_bytes))
+    return points
 
 
 def _share_by_group(values: dict[str, float], group: dict[str, int]) -> dict[str, float]:

@@ -76,6 +76,8 @@ class Plan:
         bits: saved-tensor key (``"<region>#<k>"``) -> bits it is stored in; absent keys are stored exact.
         offload: compressed forms wait in host memory between forward and backward.
         level: the compression level the plan implements (``""``: none, or ``auto`` under a budget).
+        outside_compact: the modules outside every unit (a head's linear, a stem's pooling) run their exact
+            compact forms.
         variance: predicted gradient variance of the lossy choices, relative to the squared gradient norm.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
     """
@@ -96,6 +98,7 @@ class Plan:
     bits: dict[str, int] = field(default_factory=dict)
     offload: bool = False
     level: str = ""
+    outside_compact: bool = False
     variance: float = 0.0
     compress_s: float = 0.0
     saved: list[dict[str, Any]] = field(default_factory=list)
@@ -134,6 +137,8 @@ class Plan:
                 f"{u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
             )
         lines.append("-" * len(head))
+        if self.outside_compact:
+            lines.append("modules outside the units: compact")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / _MIB:.1f} MiB"
         lines.append(
             f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB (plain PyTorch {self.baseline_peak_bytes / _MIB:.1f}"
@@ -174,6 +179,7 @@ class Plan:
             raise ValueError(f"Not a Plan dict (its _type is {d.get('_type')!r}).")
         d = {k: v for k, v in d.items() if k not in ("_type", "zoomem_version")}
         d["units"] = [UnitPlan(**u) for u in d["units"]]
+        d.setdefault("outside_compact", d.get("level", "") not in ("", "L0"))  # what plans of zoomem <= 0.4 ran
         return cls(**d)
 
     @classmethod

@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Callable, Iterator
 
 from .compression import CompressOptions
-from .costs import CostModel
+from .costs import OUTSIDE_UNITS, CostModel
 from .plan import Decision, InfeasibleBudgetError, Plan, UnitPlan
 
 __all__ = ["MIP_GAP", "SAFETY_MARGIN", "STRATEGIES", "make_plan", "min_feasible_budget"]
@@ -156,6 +156,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     holds it as an input, so ``q[s, b] <= keep`` of both; it takes ``nbytes - packed(b)`` off every point after its
     segment and adds its (de)quantization time plus the variance term ``C_s / (2**b - 1)**2`` (DESIGN.md section 4)
     to the objective. In compression modes every kept unit runs its compact implementations (they are exact).
+    The compact forms outside the units are on in compression modes, and elsewhere where they help
+    (:meth:`CostModel.outside_helps`): a constant per point.
     """
     import pulp
 
@@ -263,9 +265,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 prob.addConstraint(v >= pulp.lpSum(drop[k] for k in range(seg, last + 1)) - (last - seg))
         return z[seg, last]
 
+    outside = bool(model.outside_gain) and (compress is not None or model.outside_helps())
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for i, p in enumerate(model.points):
-        expr = p.measured + pulp.lpSum(
+        expr = p.measured - (model.outside_gain[i] if outside else 0) + pulp.lpSum(
             k * ((chain_held(s, i) if s.sid in chain_of else h[s.sid]) - int(s.base_held))
             for s, k in model._coefficients(p))
         if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
@@ -308,12 +311,12 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         )
     # minimise time; for the min-peak program minimise the peak first, time as a tie-breaker
     prob += time_cost if peak is None else peak + 1e-3 * time_cost
-    return prob, (x, q)
+    return prob, (x, q, outside)
 
 
 def _decode(model: CostModel, xq: tuple) -> Choice:  # type: ignore[type-arg]
-    x, q = xq
-    out, compact = {}, set()
+    x, q, outside = xq
+    out, compact = {}, {OUTSIDE_UNITS} if outside else set()
     for u in model.units:
         _, d, on = max((k for k in x if k[0] == u), key=lambda k: x[k].value() or 0.0)
         out[u] = d
@@ -435,6 +438,7 @@ def make_plan(
         recompute_s=model.recompute_time(decisions, compact),
         bits=bits,
         level="auto" if compress is not None else "",
+        outside_compact=OUTSIDE_UNITS in compact,
         variance=model.relative_variance(bits),
         compress_s=model.compress_time(bits),
         saved=[s.to_dict() for s in model.saved],

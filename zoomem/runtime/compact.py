@@ -18,6 +18,7 @@ from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, find_inplace_writers, impls_for, install_impl
 from ..ops.impls import dispatch_impl
+from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
 __all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "choose_impls", "install_switched", "install_all"]
@@ -26,9 +27,6 @@ OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernor
 """Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
 
 
-OUTSIDE_UNITS = "<outside>"
-"""The switch of modules that no unit contains (PyG's activations between convs): on in compression modes only,
-where nothing is recomputed that could run them in another form."""
 
 
 def choose_impls(

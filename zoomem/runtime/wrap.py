@@ -60,7 +60,7 @@ class _Active:
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
         store = SavedTensorStore(bits=plan.bits, offload=plan.offload, generator=generator) if plan.bits else None
         compact = frozenset(u.name for u in plan.units if u.compact)
-        if plan.level not in ("", "L0"):  # compression modes also run compact forms outside the units
+        if plan.outside_compact:
             compact |= {OUTSIDE_UNITS}
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
         return cls(plan.decisions, compact, store, feeds, Chain() if feeds else None)
@@ -271,18 +271,26 @@ def cost_model(
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     graph: OpGraph | None = None,
-    outside: bool = False,
 ) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
-    """What every plan of ``model`` on ``batch`` is made from: the traced step, measured once more with every
-    memory-efficient implementation on (what ``compact`` saves per unit, and costs), as a :class:`CostModel`
-    (optimizer state in its fixed bytes), with the implementations chosen per unit (:func:`install_impls`)."""
+    """What every plan of ``model`` on ``batch`` is made from: the traced step, measured once more with the
+    memory-efficient implementations of the modules outside the units on, and once more with every one on (what
+    ``compact`` saves per unit, and costs), as a :class:`CostModel` (optimizer state in its fixed bytes), with the
+    implementations chosen per unit (:func:`install_impls`)."""
     graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     units = adapter.units(model)
-    chosen = choose_impls(model, units, batch, outside=outside)
-    if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
-        undo = install_all({u: pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS})
+    chosen = choose_impls(model, units, batch, outside=True)
+    loss = _loss(adapter, model, loss_fn)
+    graph.timeline_outside = []
+    if chosen.get(OUTSIDE_UNITS) and graph.timeline:
+        undo = install_all({OUTSIDE_UNITS: chosen[OUTSIDE_UNITS]})
         try:
-            graph.timeline_compact = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units)
+            graph.timeline_outside = measure_timeline(model, batch, loss, units)
+        finally:
+            undo()
+    if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
+        undo = install_all(chosen)
+        try:
+            graph.timeline_compact = measure_timeline(model, batch, loss, units)
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
@@ -317,7 +325,7 @@ def _make(
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
     lossy = (level is not None and level.lossy) or compress is not None
-    costs, chosen, graph = cost_model(model, batch, adapter, optimizer, loss_fn, graph, outside=lossy)
+    costs, chosen, graph = cost_model(model, batch, adapter, optimizer, loss_fn, graph)
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -385,9 +393,10 @@ def _make(
 def _set_compact(plan: Plan, units: frozenset[str]) -> None:
     """Compression modes run the exact compact forms of every kept unit (the probe enumerated its tensors with
     them on; a recomputed unit's tensors never reach the store, and selective recomputation must not see the
-    compact forms' in-place outputs)."""
+    compact forms' in-place outputs), and those outside the units."""
     for u in plan.units:
         u.compact = u.name in units and u.decision == Decision.KEEP
+    plan.outside_compact = OUTSIDE_UNITS in units
 
 
 def _level_plan(costs: CostModel, infos: list[SavedInfo], level: Level, chosen_units: frozenset[str],
