@@ -101,13 +101,15 @@ def estimate_sensitivity(
             for _, g in pairs
         ]
         probe = sum((g * v).sum() for (_, g), v in zip(pairs, signs))
+        del signs
         captured: dict[str, torch.Tensor] = {}
 
         def make_hook(entries: list[tuple[int, str]]) -> Callable:  # type: ignore[type-arg]
             def hook(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
-                for nr, key in entries:
+                for nr, key in entries:  # reduced at once: holding every J^T v would add a copy of the activations
                     if grad_outputs[nr] is not None:
-                        captured[key] = grad_outputs[nr].detach()
+                        per_group, _ = _grouped(grad_outputs[nr].detach().float().square(), group_size)
+                        captured[key] = (range_sq[key] * per_group.sum(dim=1)).sum()
                 return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
 
             return hook
@@ -125,9 +127,8 @@ def estimate_sensitivity(
         finally:
             for h in handles:
                 h.remove()
-        for key, jtv in captured.items():
-            per_group, _ = _grouped(jtv.float().square(), group_size)
-            out[key] += float((range_sq[key] * per_group.sum(dim=1)).sum()) / 6 / samples
+        for key, total in captured.items():
+            out[key] += float(total) / 6 / samples
     return Sensitivity(out, grad_sq)
 
 
