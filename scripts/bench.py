@@ -42,6 +42,15 @@ feasibility figure, not an overhead measure).
 
     python scripts/bench.py accuracy [--quick] [--tasks digits text graph] [--seeds 0 1 2 3 4] [--levels L2 L1.2]
         [--out benchmarks/accuracy.json] [--markdown]
+
+- ``scale``: planning a batch from traces of smaller ones (``trace_batch_size``, what zoomem does when a plain step
+  at the batch runs out of memory), per model (:data:`SCALE_SIZES`): the cost model traced at the batch against
+  the one extrapolated from traces at an eighth and a quarter of it, compared on the peaks they predict for
+  keeping, recomputing and cheaply recomputing every unit (and with the plain step's measured peak), the time each
+  takes to build, and a budgeted plan made from the extrapolated costs, measured at the batch.
+
+    python scripts/bench.py scale [--quick] [--models ID ...] [--fraction 0.6] [--out benchmarks/scale.json]
+        [--markdown]
 """
 
 from __future__ import annotations
@@ -1890,6 +1899,133 @@ def print_compress(data: dict[str, Any], markdown: bool) -> None:
 # -- command line -----------------------------------------------------------------------------------------------
 
 
+# -- scale: planning a batch from traces of smaller ones ---------------------------------------------------------
+
+SCALE_SIZES: dict[str, BenchSize] = {
+    "timm/resnet50": BenchSize(16, _IMG224),
+    "timm/mobilenetv2_100": BenchSize(32, _IMG224),
+    "timm/vit_tiny_patch16_224": BenchSize(32, _IMG224),
+    "hf/bert-base-uncased": BenchSize(16, {"seq_len": 256}, {"num_hidden_layers": 4}),
+    "hf/gpt2": BenchSize(16, {"seq_len": 128}, {"n_layer": 4}),
+    "hf/llama": BenchSize(16, {"seq_len": 128}),
+    "hf/t5-small": BenchSize(16, {"seq_len": 128}),
+}
+"""Default ``scale`` sizes: real layouts (the HF ones with 4 layers) at batches a 2-core CPU traces in seconds to
+a minute, each planned from traces at an eighth and a quarter of its batch. PyG graphs have no batch dimension."""
+
+
+def scale_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[str, Any]:
+    import torch
+
+    import zoomem
+    from zoomem import zoo
+    from zoomem.measure import measure_step
+    from zoomem.planner import Decision
+    from zoomem.planner.scale import trace_sizes
+    from zoomem.runtime.wrap import _scaled_cost_model, cost_model
+
+    if args.quick:
+        spec = BenchSize(8, dict(zoo.SMALL[model_id].sizes), dict(zoo.SMALL[model_id].overrides))
+    else:
+        spec = SCALE_SIZES[model_id]
+    torch.manual_seed(args.seed)
+    model, adapter = zoo.build(model_id, **spec.overrides)
+    batch = adapter.example_batch(model, spec.batch_size, **spec.sizes)
+    scale = trace_sizes(spec.batch_size, max(3, spec.batch_size // 4))
+
+    def loss_fn(output: Any, b: Any) -> torch.Tensor:
+        return adapter.loss(model, b, output)
+
+    t = time.perf_counter()
+    direct, _, _ = cost_model(model, batch, adapter)
+    direct_s = time.perf_counter() - t
+    t = time.perf_counter()
+    scaled, _, _ = _scaled_cost_model(model, batch, adapter, None, None, scale)
+    scaled_s = time.perf_counter() - t
+    plain = measure_step(model, batch, loss_fn)
+    measured = max(plain.phases["forward"].peak_bytes, plain.phases["backward"].peak_bytes)
+    peaks = {}
+    for d in (Decision.KEEP, Decision.RECOMPUTE, Decision.RECOMPUTE_CHEAP):
+        plan = {u: d for u in direct.units}
+        peaks[d.value] = {"direct_mib": direct.peak(plan) / MIB, "scaled_mib": scaled.peak(plan) / MIB}
+    budget = int(args.fraction * scaled.peak({u: Decision.KEEP for u in scaled.units}))
+    wrapped: dict[str, Any] = {"fraction": args.fraction}
+    for attempt in (budget, None):
+        try:
+            zoomem.wrap(model, attempt or wrapped["min_budget_bytes"], adapter=adapter, batch=batch,
+                        trace_batch_size=scale.large)
+        except zoomem.InfeasibleBudgetError as exc:
+            wrapped["min_budget_bytes"] = exc.min_budget
+            continue
+        p = next(iter(model.__dict__["_zoomem"].plans.values()))
+        wrapped.update(budget_mib=p.budget_bytes / MIB, predicted_mib=p.predicted_peak_bytes / MIB,
+                       measured_mib=(p.extras.get("measured_peak_bytes") or 0) / MIB, traced_at=p.traced_at,
+                       recomputed=sum(u.decision != Decision.KEEP for u in p.units), units=len(p.units))
+        zoomem.unwrap(model)
+        break
+    if bar is not None:
+        bar.write(f"{model_id}: keep {peaks['keep']['direct_mib']:.1f} / {peaks['keep']['scaled_mib']:.1f} MiB "
+                  f"(direct / from {scale.small} and {scale.large}), planning {direct_s:.1f} / {scaled_s:.1f} s",
+                  file=sys.stderr)
+    return {"id": model_id, "batch_size": spec.batch_size, "sizes": spec.sizes, "overrides": spec.overrides,
+            "traced_at": scale.sizes(), "plain_measured_mib": measured / MIB, "peaks": peaks,
+            "direct_s": direct_s, "scaled_s": scaled_s, "plan": wrapped}
+
+
+def _scale_cell(p: dict[str, float]) -> str:
+    err = (p["scaled_mib"] - p["direct_mib"]) / p["direct_mib"]
+    return f"{p['direct_mib']:.1f} / {p['scaled_mib']:.1f} ({err:+.1%})"
+
+
+def _scale_plan_cell(r: dict[str, Any]) -> str:
+    p = r["plan"]
+    if "measured_mib" not in p:
+        return "no plan"
+    return (f"{p['budget_mib']:.1f} / {p['predicted_mib']:.1f} / {p['measured_mib']:.1f} "
+            f"({p['recomputed']} of {p['units']} recomputed)")
+
+
+SCALE_COLUMNS = (
+    ("model", lambda r: r["id"]),
+    ("sizes", _size_text),
+    ("traced at", lambda r: f"{r['traced_at'][0]}, {r['traced_at'][1]}"),
+    ("plain measured MiB", lambda r: _mib(r["plain_measured_mib"])),
+    ("keep: direct / scaled MiB", lambda r: _scale_cell(r["peaks"]["keep"])),
+    ("recompute", lambda r: _scale_cell(r["peaks"]["recompute"])),
+    ("recompute_cheap", lambda r: _scale_cell(r["peaks"]["recompute_cheap"])),
+    ("planning s: direct / scaled", lambda r: f"{r['direct_s']:.1f} / {r['scaled_s']:.1f}"),
+    ("plan from scaled costs: budget / predicted / measured MiB", _scale_plan_cell),
+)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import torch
+
+    from zoomem import zoo
+
+    models = args.models or list(zoo.SMALL if args.quick else SCALE_SIZES)
+    models = [m for m in models if not m.startswith("pyg/")]
+    if not _known_models(models, zoo.SMALL if args.quick else SCALE_SIZES, args.quick, "scale size"):
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    rows = _run_models(models, scale_one, args, "scale")
+    wall = time.perf_counter() - t0
+    machine = machine_info()
+    payload = {"benchmark": "scale", "command": command, "date": started.isoformat(timespec="seconds"),
+               "machine": machine, "git": _git_info(), "wall_s": wall,
+               "settings": {"quick": args.quick, "seed": args.seed, "fraction": args.fraction}, "results": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    _print_run_head(command, machine, started, wall, args.markdown)
+    print(format_table(rows, SCALE_COLUMNS, args.markdown))
+    return 1 if any("error" in r for r in rows) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -2003,6 +2139,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--render", metavar="JSON", help="print the tables of a result JSON written before; run nothing")
     p.set_defaults(func=cmd_accuracy)
+
+    p = sub.add_parser(
+        "scale",
+        help="planning a batch from traces of smaller ones: extrapolated costs against a trace at the batch",
+        description="Per model, the cost model traced at the batch against the one extrapolated from traces at an "
+        "eighth and a quarter of it (the peaks both predict, the plain step's measured peak, planning time), and a "
+        "budgeted plan from the extrapolated costs measured at the batch.",
+    )
+    p.add_argument("--quick", action="store_true", help="the zoo.small variants at batch 8 (seconds; for tests)")
+    p.add_argument("--models", nargs="+", metavar="ID", help="model ids (default: SCALE_SIZES)")
+    p.add_argument("--fraction", type=float, default=0.6,
+                   help="budget of the plan, as a fraction of plain PyTorch's predicted peak (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/scale.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("_solve")  # internal: one model of the solve-time section, in a child process
     p.add_argument("model", choices=list(SOLVE_SIZES))

@@ -190,3 +190,18 @@ def test_bench_accuracy_quick(tmp_path):
     assert by_level["L2"]["mean_diff"] == acc["L2"] - acc["L0"] and by_level["L2"]["allowed_drop"] == 0.5
     assert by_level["L0+1% noise"]["allowed_drop"] is None  # the control is reported, not judged
     assert "| seed | L0 | L2 | L1.2 | L0+1% noise |" in proc.stdout and "graph L1.2: mean" in proc.stdout
+
+
+def test_bench_scale_quick(tmp_path):
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "scale", "--quick",
+           "--models", "hf/gpt2", "pyg/gcn", "--out", str(out), "--markdown"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| `hf/gpt2` |" in proc.stdout and "| `pyg/gcn` |" not in proc.stdout  # graphs: no batch dimension
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["traced_at"] == [2, 3, 8]
+    for p in r["peaks"].values():  # the small GPT-2's costs are affine in the batch: extrapolated exactly
+        assert abs(p["scaled_mib"] - p["direct_mib"]) <= 0.01 * p["direct_mib"]
+    plan = r["plan"]
+    assert plan["traced_at"] == [2, 3, 8] and plan["measured_mib"] <= plan["budget_mib"]

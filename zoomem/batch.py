@@ -67,6 +67,25 @@ class Batch:
         args, kwargs, target = pytree.tree_map(move, (self.args, self.kwargs, self.target))
         return Batch(tuple(args), dict(kwargs), target)
 
+    def batch_size(self) -> int | None:
+        """The size of the batch dimension: dim 0 of the first input tensor (``None`` when there is none)."""
+        first = next((t for t in pytree.tree_leaves((self.args, self.kwargs))
+                      if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return None if first is None else int(first.shape[0])
+
+    def take(self, n: int) -> "Batch":
+        """The first ``n`` samples: every tensor whose dim 0 is the batch dimension, sliced; the rest as it is.
+
+        For batches whose samples are independent rows (images, token sequences and their labels); a graph's
+        nodes are not (its edges index them), which is why adapters decide (:meth:`Adapter.sub_batch`).
+        """
+        size = self.batch_size()
+        if size is None or not 1 <= n <= size:
+            raise ValueError(f"Cannot take {n} samples of a batch of {size}: pick 1 <= n <= the batch size.")
+        cut = lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == size else t  # noqa: E731
+        args, kwargs, target = pytree.tree_map(cut, (self.args, self.kwargs, self.target))
+        return Batch(tuple(args), dict(kwargs), target)
+
     def nbytes(self) -> int:
         """Bytes of the batch's tensors (storage-deduplicated)."""
         seen: dict[int, int] = {}

@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zoomem.batch import Batch
 
-__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "holder_bytes", "measure_step", "tensor_nbytes"]
+__all__ = ["MemoryMeter", "MemoryReport", "PhaseStat", "holder_bytes", "is_out_of_memory", "measure_step",
+           "tensor_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +338,13 @@ def measure_step(
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that did not fit: CUDA's (or any accelerator's) ``OutOfMemoryError``, or
+    the CPU allocator's ``RuntimeError`` ("can't allocate memory"), which PyTorch does not raise as one."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

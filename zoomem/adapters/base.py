@@ -84,6 +84,15 @@ class Adapter:
             "pass a real batch instead."
         )
 
+    def sub_batch(self, batch: Batch, n: int) -> Batch:
+        """The first ``n`` samples of ``batch``: zoomem plans a step too large to trace at once from two smaller
+        ones (``trace_batch_size``). Samples are rows of every tensor whose dim 0 is the batch dimension.
+
+        Raises:
+            ValueError: the batch has no dimension that can be cut this way (an adapter says why).
+        """
+        return batch.take(n)
+
     def loss(self, model: nn.Module, batch: Batch, output: Any) -> torch.Tensor:
         """The scalar loss a training step would minimise, used for tracing and planning."""
         return default_loss(output, batch.target)

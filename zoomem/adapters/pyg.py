@@ -136,6 +136,15 @@ class PyGAdapter(Adapter):
         found = [(n, m) for n, m in model.named_modules() if mp is not None and isinstance(m, mp)]
         return with_registered_blocks(model, [Unit(n, m) for n, m in outermost(found)])
 
+    def sub_batch(self, batch: Batch, n: int) -> Batch:
+        """PyG batches are graphs: their nodes are not independent samples (edges index them), and a subgraph's
+        edges do not shrink in proportion to its nodes, so a step cannot be planned from smaller ones."""
+        raise ValueError(
+            "zoomem cannot plan a PyG graph batch from smaller ones (trace_batch_size): its nodes are not "
+            "independent samples. Plan at the real graph (trace_batch_size=None), or plan on a neighbour-sampled "
+            "mini-batch of the same size (torch_geometric.loader.NeighborLoader)."
+        )
+
     def example_batch(
         self,
         model: nn.Module,

@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
+from ..measure import is_out_of_memory
 from ..ops import op_spec
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 from .timeline import SegmentStat, measure_timeline
@@ -420,6 +421,8 @@ def trace(
     except TraceError:
         raise
     except Exception as e:
+        if is_out_of_memory(e):  # not the model's fault: the caller may trace a smaller batch
+            raise
         where = state.module_stack[-1] if state.module_stack else "(model root)"
         mod = dict(model.named_modules()).get(where if where != "(model root)" else "", model)
         op = f" at op {state.failed_op}" if state.failed_op else ""

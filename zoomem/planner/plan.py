@@ -80,6 +80,8 @@ class Plan:
             compact forms.
         variance: predicted gradient variance of the lossy choices, relative to the squared gradient norm.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
+        traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
+            extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.
     """
 
     strategy: str
@@ -102,6 +104,7 @@ class Plan:
     variance: float = 0.0
     compress_s: float = 0.0
     saved: list[dict[str, Any]] = field(default_factory=list)
+    traced_at: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 
     def decision(self, unit: str) -> Decision:
@@ -139,6 +142,9 @@ class Plan:
         lines.append("-" * len(head))
         if self.outside_compact:
             lines.append("modules outside the units: compact")
+        if self.traced_at:
+            small, large, n = self.traced_at
+            lines.append(f"costs traced at batches of {small} and {large} samples and extrapolated to {n}")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / _MIB:.1f} MiB"
         lines.append(
             f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB (plain PyTorch {self.baseline_peak_bytes / _MIB:.1f}"

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -25,10 +26,11 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import measure_timeline
-from ..measure import holder_bytes
+from ..measure import holder_bytes, is_out_of_memory
 from ..compress.quantize import seconds_per_byte
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
+from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN
 from .distributed import from_rank0, world_size
 from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched
@@ -80,6 +82,8 @@ class _Planning:
     budget_bytes: int | None
     chosen_units: frozenset[str]
     infos: list[SavedInfo]
+    probe_scale: Scale | None = None
+    """Sensitivities were measured on two smaller batches and extrapolated (the probe did not fit at the real one)."""
 
 
 @dataclass
@@ -97,6 +101,7 @@ class _Handle:
     compress: CompressOptions | None = None
     level: Level | None = None
     sensitivity_interval: int = 0
+    trace_batch_size: int | None = None
     plans: dict[tuple, Plan] = field(default_factory=dict)
     planning: dict[tuple, _Planning] = field(default_factory=dict)
     generators: dict[str, torch.Generator] = field(default_factory=dict)
@@ -163,7 +168,8 @@ class _Handle:
         with self.planning_scope():
             new = from_rank0(lambda: _make(self.model, batch, self.budget, self.strategy, self.adapter,
                                            self.optimizer, self.loss_fn, self.time_limit, compress=self.compress,
-                                           level=self.level), _encode_plan, _decode_plan)
+                                           level=self.level, trace_batch_size=self.trace_batch_size),
+                             _encode_plan, _decode_plan)
         new.signature = repr(sig[0])
         self.plans[sig] = new
         if "_planning" in new.extras:
@@ -191,7 +197,9 @@ class _Handle:
         ctx = self.planning[sig]
 
         def replan() -> Plan:
-            infos, grad_sq = _probe(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, old)
+            (infos, grad_sq), ctx.probe_scale = _fitting(
+                batch, self.adapter, ctx.probe_scale, "measuring sensitivities",
+                lambda s: _probe_at(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, s))
             ctx.infos = infos
             ctx.costs.attach_saved(infos, grad_sq, ctx.costs.compress_s_per_byte)
             if self.level is not None:
@@ -321,11 +329,16 @@ def _make(
     graph: OpGraph | None = None,
     compress: CompressOptions | None = None,
     level: Level | None = None,
+    trace_batch_size: int | None = None,
 ) -> Plan:
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
     lossy = (level is not None and level.lossy) or compress is not None
-    costs, chosen, graph = cost_model(model, batch, adapter, optimizer, loss_fn, graph)
+    scale = _first_scale(batch, trace_batch_size) if graph is None else None
+    (costs, chosen, graph), scale = _fitting(
+        batch, adapter, scale, "tracing the step",
+        lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph) if s is None
+        else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s))
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -333,15 +346,19 @@ def _make(
     budget_bytes = parse_budget(budget, baseline_peak=baseline)
     chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
     infos: list[SavedInfo] = []
+    probe_scale = scale
     if lossy:
-        infos, grad_sq = _probe(handle, batch, adapter, loss_fn, units, chosen_units, None, model, chosen)
+        (infos, grad_sq), probe_scale = _fitting(
+            batch, adapter, scale, "measuring sensitivities",
+            lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in (compress or CompressOptions()).bits})
     if level is not None:
         new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
         new.budget_bytes = budget_bytes
+        new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
     margin, unmet = SAFETY_MARGIN, None
@@ -360,34 +377,60 @@ def _make(
         margin, unmet = 0.0, err
     if compress is not None:
         _set_compact(new, chosen_units)
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
+    traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
     assert handle is not None and budget_bytes is not None
     # measured peaks are the judge: run the plan once; if it overshoots, plan again with that much less
+    measured: int | None = None
     for _ in range(_VERIFY_ROUNDS):
-        measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
+        try:
+            measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
+            oom = False
+        except Exception as exc:  # noqa: BLE001 - the device is the judge too: out of memory, the plan does not fit
+            if not is_out_of_memory(exc):
+                raise
+            oom, measured = True, None
+        if oom:
+            _release_memory()
         new.extras["measured_peak_bytes"] = measured
         new.extras["margin"] = margin
-        if measured is None or measured <= budget_bytes or all(u.decision == Decision.KEEP and not u.compact
-                                                               for u in new.units) and not new.bits:
+        if not oom and (measured is None or measured <= budget_bytes or all(
+                u.decision == Decision.KEEP and not u.compact for u in new.units) and not new.bits):
             return new
         if unmet is not None:  # the plan without a margin does not fit either: the first error stands
             raise unmet
-        logger.info("zoomem: the plan measured %.1f MiB against a budget of %.1f MiB; planning again with "
-                    "that much less", measured / _MIB, budget_bytes / _MIB)
-        margin += (measured - budget_bytes) / budget_bytes + 0.002
+        if oom:
+            logger.info("zoomem: the plan for %.1f MiB ran out of device memory; planning again with %.0f%% less",
+                        budget_bytes / _MIB, 100 * _OOM_MARGIN)
+            margin += _OOM_MARGIN
+        else:
+            assert measured is not None
+            logger.info("zoomem: the plan measured %.1f MiB against a budget of %.1f MiB; planning again with "
+                        "that much less", measured / _MIB, budget_bytes / _MIB)
+            margin += (measured - budget_bytes) / budget_bytes + 0.002
         planning = new.extras.get("_planning")
         new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=margin, compress=compress)
+        new.traced_at = traced_at
         if compress is not None:
             _set_compact(new, chosen_units)
             new.extras["_planning"] = planning
+    if measured is None:
+        raise InfeasibleBudgetError(
+            f"Every plan zoomem found for {budget_bytes / _MIB:.1f} MiB ran out of device memory (the budget is "
+            "more than the device holds beside what else runs there, or zoomem's model of this step is off); "
+            "lower the budget below the device's free memory, or lower the batch size.", int(budget_bytes))
     raise InfeasibleBudgetError(
         f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB measured {measured / _MIB:.1f} MiB at best "
         f"(its model of this step is off by more than its margin); raise the budget to about "
         f"{measured / _MIB:.1f} MiB or lower the batch size.",
         int(measured or budget_bytes),
     )
+
+
+_OOM_MARGIN = 0.05
+"""How much lower a plan aims after one ran out of device memory while verified (no peak to correct by)."""
 
 
 def _set_compact(plan: Plan, units: frozenset[str]) -> None:
@@ -418,7 +461,7 @@ def _level_plan(costs: CostModel, infos: list[SavedInfo], level: Level, chosen_u
 
 def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
            loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
-           plan: Plan | None, model: nn.Module | None = None,
+           model: nn.Module | None = None,
            chosen: dict[str, list] | None = None) -> tuple[list[SavedInfo], float]:  # type: ignore[type-arg]
     """Enumerate the saved tensors (compact forms on, nothing recomputed) and measure their sensitivities."""
     model = handle.model if handle is not None else model
@@ -437,6 +480,76 @@ def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
         return probe_saved(model, batch, loss, units, generator=generator)
     finally:
         undo()
+
+
+def _probe_at(handle: "_Handle | None", batch: Batch, adapter: Adapter,
+              loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
+              scale: Scale | None, model: nn.Module | None = None,
+              chosen: dict[str, list] | None = None) -> tuple[list[SavedInfo], float]:  # type: ignore[type-arg]
+    """:func:`_probe` on ``batch``, or on its two sub-batches of ``scale`` and extrapolated to the batch."""
+    if scale is None:
+        return _probe(handle, batch, adapter, loss_fn, units, chosen_units, model, chosen)
+    small, _ = _probe(handle, adapter.sub_batch(batch, scale.small), adapter, loss_fn, units, chosen_units, model,
+                      chosen)
+    large, grad_sq = _probe(handle, adapter.sub_batch(batch, scale.large), adapter, loss_fn, units, chosen_units,
+                            model, chosen)
+    return scale_saved(small, large, grad_sq, scale)
+
+
+def _scaled_cost_model(
+    model: nn.Module, batch: Batch, adapter: Adapter, optimizer: torch.optim.Optimizer | None,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, scale: Scale,
+) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
+    """:func:`cost_model` at ``scale.target`` samples from traces of the batch's first ``scale.small`` and
+    ``scale.large`` samples (:func:`zoomem.planner.scale.scale_costs`); the graph is the larger trace's."""
+    small, _, _ = cost_model(model, adapter.sub_batch(batch, scale.small), adapter, optimizer, loss_fn)
+    large, chosen, graph = cost_model(model, adapter.sub_batch(batch, scale.large), adapter, optimizer, loss_fn)
+    return scale_costs(small, large, scale), chosen, graph
+
+
+def _first_scale(batch: Batch, trace_batch_size: int | None) -> Scale | None:
+    """The sizes to trace at when the user caps them (``None``: trace the batch itself)."""
+    n = batch.batch_size()
+    if trace_batch_size is None or n is None or n <= trace_batch_size:
+        return None
+    return trace_sizes(n, trace_batch_size)
+
+
+_T = TypeVar("_T")
+
+
+def _fitting(batch: Batch, adapter: Adapter, scale: Scale | None, what: str,
+             run: Callable[[Scale | None], _T]) -> tuple[_T, Scale | None]:
+    """``run(scale)``; where it runs out of memory (a plain step of a batch too large for the device: what
+    zoomem is for), ``run`` again on sub-batches half as large, down to 3 samples, and say so once."""
+    while True:
+        try:
+            return run(scale), scale
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
+            if not is_out_of_memory(exc):
+                raise
+            n = batch.batch_size()
+            failed_at = scale.large if scale is not None else n or 0
+            if n is None or failed_at // 2 < 3 or not _can_cut(adapter, batch):
+                raise
+        _release_memory()  # outside the except block: its traceback no longer holds the failed step's tensors
+        scale = trace_sizes(n, failed_at // 2)
+        _log_rank0("zoomem: %s at a batch of %d ran out of memory; planning from batches of %d and %d samples, "
+                   "extrapolated to %d", what, failed_at, scale.small, scale.large, n, level=logging.WARNING)
+
+
+def _can_cut(adapter: Adapter, batch: Batch) -> bool:
+    try:
+        adapter.sub_batch(batch, 2)
+    except ValueError:
+        return False
+    return True
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 _VERIFY_ROUNDS = 3
@@ -475,6 +588,12 @@ def _check_compression(budget: Any, compress: str | CompressOptions | None, leve
     return options, None
 
 
+def _check_trace_batch_size(n: int | None) -> None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 3):
+        raise ValueError(f"trace_batch_size must be an int >= 3 (zoomem traces it and about half of it, each at "
+                         f"least 2 samples) or None, got {n!r}.")
+
+
 def _check_strategy(strategy: str) -> None:
     if strategy != "ilp" and strategy not in STRATEGIES:
         raise ValueError(f"Could not resolve strategy {strategy!r} among choices {['ilp', *STRATEGIES]}.")
@@ -496,6 +615,7 @@ def plan(
     time_limit: float = 10.0,
     compress: str | CompressOptions | None = None,
     level: str | None = None,
+    trace_batch_size: int | None = None,
     batch_size: int = 2,
     **sizes: int,
 ) -> Plan:
@@ -514,6 +634,8 @@ def plan(
             in 8/4/2/1 bits, chosen with recomputation by their measured effect on the gradient.
         level: a GACT-style level instead of a budget: ``L0``, ``L1`` (4 bits), ``L1.1`` (8), ``L1.2`` (2),
             ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
+        trace_batch_size: trace at most this many samples (and about half as many) and extrapolate the costs
+            to the batch; see :func:`wrap`.
 
     Returns:
         The :class:`Plan` (``plan.summary()``, ``plan.to_json()``).
@@ -526,6 +648,7 @@ def plan(
     >>> print(p.summary())  # doctest: +SKIP
     """
     _check_strategy(strategy)
+    _check_trace_batch_size(trace_batch_size)
     options, lvl = _check_compression(budget, compress, level, strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
@@ -533,7 +656,7 @@ def plan(
     handle: _Handle | None = model.__dict__.get(_ATTR)
     with handle.planning_scope() if handle is not None else contextlib.nullcontext():
         new = _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit, compress=options,
-                    level=lvl)
+                    level=lvl, trace_batch_size=trace_batch_size)
     new.extras.pop("_planning", None)
     return new
 
@@ -551,6 +674,7 @@ def wrap(
     compress: str | CompressOptions | None = None,
     level: str | None = None,
     sensitivity_interval: int = 200,
+    trace_batch_size: int | None = None,
 ) -> nn.Module:
     """Train ``model`` within ``budget`` bytes with gradients identical to plain PyTorch's (in place, undoable).
 
@@ -571,6 +695,11 @@ def wrap(
             ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
         sensitivity_interval: adaptive plans measure sensitivities again every this many training steps, and
             at steps 1, 4, 16 and 64 (0: never after planning); each time costs about three passes, logged.
+        trace_batch_size: plan batches larger than this from traces of its first ``trace_batch_size`` samples
+            and about half as many, every byte and time extrapolated to the real batch (the plan is then measured
+            at the real batch before use). ``None`` traces the batch itself, and falls back to halves of it when
+            that runs out of memory: planning traces a plain step, which at the batches zoomem is for does not
+            fit the device. Not for PyG graphs (their nodes are not independent samples).
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -582,6 +711,7 @@ def wrap(
     >>> model = zoomem.wrap(timm.create_model("resnet50"), budget="6GiB")  # doctest: +SKIP
     """
     _check_strategy(strategy)
+    _check_trace_batch_size(trace_batch_size)
     options, lvl = _check_compression(budget, compress, level, strategy)
     if sensitivity_interval < 0:
         raise ValueError(f"sensitivity_interval must be >= 0 steps, got {sensitivity_interval}.")
@@ -598,7 +728,7 @@ def wrap(
         model=model, budget=budget, strategy=strategy, adapter=adapter, units=adapter.units(model),
         time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn, compress=options, level=lvl,
         sensitivity_interval=sensitivity_interval if (lvl is not None and lvl.adaptive) or options else 0,
-        seed=torch.initial_seed() % (1 << 63),
+        trace_batch_size=trace_batch_size, seed=torch.initial_seed() % (1 << 63),
     )
     model.__dict__[_ATTR] = handle
     original = model.forward

@@ -1,0 +1,173 @@
+"""Planning a batch too large to trace: costs from two smaller traces, extrapolated (zoomem.planner.scale)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoomem
+from zoomem import zoo
+from zoomem.planner import Decision
+from zoomem.planner.scale import Scale, ScalingError, scale_costs, trace_sizes
+from zoomem.runtime.wrap import _scaled_cost_model, cost_model
+
+from test_wrap import _assert_grads_close, _step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_batch_take_cuts_every_tensor_along_the_batch_dimension() -> None:
+    ids = torch.arange(24).reshape(6, 4)
+    batch = zoomem.Batch(kwargs={"input_ids": ids, "attention_mask": torch.ones(6, 4), "position_ids":
+                                 torch.arange(4)[None], "labels": torch.arange(6)}, target=torch.arange(6))
+    assert batch.batch_size() == 6
+    part = batch.take(2)
+    assert part.kwargs["input_ids"].tolist() == ids[:2].tolist()
+    assert part.kwargs["labels"].tolist() == [0, 1] and part.target.tolist() == [0, 1]
+    assert part.kwargs["position_ids"].shape == (1, 4)  # not a batch dimension: left whole
+    with pytest.raises(ValueError, match="Cannot take 7 samples of a batch of 6"):
+        batch.take(7)
+
+
+def test_trace_sizes_and_time_extrapolation() -> None:
+    assert trace_sizes(64, 8) == Scale(4, 8, 64)
+    assert trace_sizes(10, 3) == Scale(2, 3, 10)
+    for bad in (2, 64, 100):
+        with pytest.raises(ValueError, match="trace_batch_size"):
+            trace_sizes(64, bad)
+    s = Scale(4, 8, 64)
+    assert s.bytes(100, 180) == 100 + 80 * 60 // 4  # affine through both points
+    assert s.seconds(1.0, 2.0) == 16.0  # proportional from the larger trace at most ...
+    assert s.seconds(1.9, 2.0) == pytest.approx(2.0 + 0.1 * 14)  # ... the affine fit inside the bounds ...
+    assert s.seconds(2.5, 2.0) == 2.0  # ... and never below the larger trace's time (noise at small batches)
+
+
+@pytest.mark.parametrize("model_id, tolerance", [
+    ("timm/resnet18", 0.01), ("hf/bert-base-uncased", 0.01), ("hf/gpt2", 0.01), ("timm/mobilenetv2_100", 0.03),
+])
+def test_scaled_costs_predict_what_a_trace_at_the_batch_measures(model_id: str, tolerance: float) -> None:
+    model, adapter, batch = zoo.small(model_id, batch_size=16)
+    direct, _, _ = cost_model(model, batch, adapter)
+    scaled, _, _ = _scaled_cost_model(model, batch, adapter, None, None, trace_sizes(16, 4))
+    assert scaled.fixed_bytes == direct.fixed_bytes  # parameters, buffers and the batch
+    for decision in (Decision.KEEP, Decision.RECOMPUTE, Decision.RECOMPUTE_CHEAP):
+        plan = {u: decision for u in direct.units}
+        want, got = direct.peak(plan), scaled.peak(plan)
+        assert abs(got - want) <= tolerance * want, f"{decision.value}: {got / 2**20:.2f} vs {want / 2**20:.2f} MiB"
+    assert [s.nbytes for s in scaled.storages] == [s.nbytes for s in direct.storages]
+
+
+def test_traces_of_different_steps_refuse_to_extrapolate() -> None:
+    m1, a1, b1 = zoo.small("timm/resnet18", batch_size=2)
+    m2, a2, b2 = zoo.small("timm/mobilenetv2_100", batch_size=4)
+    c1, _, _ = cost_model(m1, b1, a1)
+    c2, _, _ = cost_model(m2, b2, a2)
+    with pytest.raises(ScalingError, match="differs in its units.*trace_batch_size"):
+        scale_costs(c1, c2, Scale(2, 4, 16))
+
+
+def test_wrap_plans_a_large_batch_from_small_traces_with_exact_gradients() -> None:
+    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=24)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, ref_peak = _step(reference, adapter, batch)
+    zoomem.wrap(model, "80%", adapter=adapter, batch=batch, trace_batch_size=6)
+    plan = next(iter(model._zoomem.plans.values()))
+    assert plan.traced_at == [3, 6, 24] and "traced at batches of 3 and 6 samples and extrapolated to 24" in plan.summary()
+    assert any(u.decision != Decision.KEEP for u in plan.units)
+    assert abs(plan.baseline_peak_bytes - ref_peak) <= 0.02 * ref_peak  # plain PyTorch's peak, never traced at 24
+    loss, grads, peak = _step(model, adapter, batch)
+    assert torch.equal(loss, ref_loss)
+    _assert_grads_close(grads, ref_grads, "scaled plan")
+    assert peak <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak
+    assert zoomem.Plan.from_json(plan.to_json()).traced_at == [3, 6, 24]
+
+
+def test_levels_from_small_probes_store_what_a_full_probe_would() -> None:
+    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=16)
+    full = zoomem.plan(model, batch, level="L2", adapter=adapter)
+    scaled = zoomem.plan(model, batch, level="L2", adapter=adapter, trace_batch_size=4)
+    assert scaled.traced_at == [2, 4, 16]
+    assert set(scaled.bits) == set(full.bits)  # the same tensors lossy, with their sizes at 16 sequences
+    assert {d["key"]: d["shape"] for d in scaled.saved} == {d["key"]: d["shape"] for d in full.saved}
+    assert abs(scaled.predicted_peak_bytes - full.predicted_peak_bytes) <= 0.01 * full.predicted_peak_bytes
+    # relative variance: the probe at 4 sequences stands for 16 (both C_s and ||g||^2 fall as 1 / batch here)
+    assert full.variance / 4 <= scaled.variance <= 4 * full.variance
+
+
+def test_pyg_graphs_cannot_be_planned_from_smaller_batches() -> None:
+    model, adapter, batch = zoo.small("pyg/gcn")
+    with pytest.raises(ValueError, match="cannot plan a PyG graph batch from smaller ones"):
+        zoomem.plan(model, batch, 0.8, adapter=adapter, trace_batch_size=3)
+
+
+@pytest.mark.parametrize("bad", [2, 0, 3.5, True])
+def test_trace_batch_size_is_checked(bad) -> None:
+    model, adapter, batch = zoo.small("timm/resnet18")
+    with pytest.raises(ValueError, match="trace_batch_size must be an int >= 3"):
+        zoomem.wrap(model, "80%", adapter=adapter, trace_batch_size=bad)
+    assert not zoomem.is_wrapped(model)
+
+
+_OUT_OF_MEMORY = textwrap.dedent("""
+    import json, logging, resource, sys, torch, zoomem
+    from zoomem import zoo
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    model, adapter, batch = zoo.small("timm/mobilenetv2_100", batch_size=256)
+    def step():
+        torch.manual_seed(0)
+        loss = adapter.loss(model, batch, batch.call(model))
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        return loss.item(), grads
+    ref_loss, ref_grads = step()  # plain PyTorch, before memory is capped
+    def vm():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+    # a plain step at 256 images needs about 1.6 GB more address space, one at 128 about 0.8 GB, a plan within
+    # 40% of plain PyTorch's peak (measured at 256 before it is used) about 0.7 GB
+    resource.setrlimit(resource.RLIMIT_AS, (vm() + int(sys.argv[1]) * 2**20, resource.RLIM_INFINITY))
+    try:
+        step()
+        plain = "fits"
+    except RuntimeError as e:
+        plain = "out of memory" if zoomem.measure.is_out_of_memory(e) else repr(e)
+    for p in model.parameters():
+        p.grad = None  # what the failed backward had accumulated
+    zoomem.wrap(model, "40%", adapter=adapter, batch=batch)
+    plan = next(iter(model._zoomem.plans.values()))
+    loss, grads = step()
+    top = max(r.norm() for r in ref_grads)  # as test_wrap._assert_grads_close: exact zeros are rounding noise
+    off = [i for i, (g, r) in enumerate(zip(grads, ref_grads)) if (g - r).norm() > 1e-5 * r.norm() + 1e-6 * top]
+    print(json.dumps({"plain": plain, "traced_at": plan.traced_at, "loss": loss, "ref_loss": ref_loss,
+                      "grads_off": off, "budget": plan.budget_bytes, "measured": plan.extras["measured_peak_bytes"]}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="caps address space with RLIMIT_AS (Linux)")
+def test_a_batch_whose_plain_step_runs_out_of_memory_trains_under_a_plan(tmp_path: Path) -> None:
+    """The real thing on CPU: address space capped so that a plain step at the batch fails to allocate; planning
+    falls back to halves of the batch, and the plan trains at the full batch with plain PyTorch's gradients."""
+    script = tmp_path / "oom.py"
+    script.write_text(_OUT_OF_MEMORY)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(script), "1275"], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["plain"] == "out of memory", result
+    assert "tracing the step at a batch of 256 ran out of memory; planning from batches of 64 and 128" in run.stderr
+    assert result["traced_at"] == [64, 128, 256]
+    assert result["loss"] == result["ref_loss"] and result["grads_off"] == []
+    assert result["measured"] <= result["budget"]
