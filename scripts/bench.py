@@ -45,12 +45,12 @@ feasibility figure, not an overhead measure).
 
 - ``scale``: planning a batch from traces of smaller ones (``trace_batch_size``, what zoomem does when a plain step
   at the batch runs out of memory), per model (:data:`SCALE_SIZES`): the cost model traced at the batch against
-  the one extrapolated from traces at an eighth and a quarter of it, compared on the peaks they predict for
+  the one extrapolated from traces at a quarter and a half of it (``--trace-fraction``), compared on the peaks they predict for
   keeping, recomputing and cheaply recomputing every unit (and with the plain step's measured peak), the time each
   takes to build, and a budgeted plan made from the extrapolated costs, measured at the batch.
 
-    python scripts/bench.py scale [--quick] [--models ID ...] [--fraction 0.6] [--out benchmarks/scale.json]
-        [--markdown]
+    python scripts/bench.py scale [--quick] [--models ID ...] [--fraction 0.6] [--trace-fraction 0.5]
+        [--out benchmarks/scale.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -1911,7 +1911,8 @@ SCALE_SIZES: dict[str, BenchSize] = {
     "hf/t5-small": BenchSize(16, {"seq_len": 128}),
 }
 """Default ``scale`` sizes: real layouts (the HF ones with 4 layers) at batches a 2-core CPU traces in seconds to
-a minute, each planned from traces at an eighth and a quarter of its batch. PyG graphs have no batch dimension."""
+a minute, each planned from traces at a quarter and a half of its batch (by default). PyG graphs have no batch
+dimension."""
 
 
 def scale_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[str, Any]:
@@ -1931,7 +1932,7 @@ def scale_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
     torch.manual_seed(args.seed)
     model, adapter = zoo.build(model_id, **spec.overrides)
     batch = adapter.example_batch(model, spec.batch_size, **spec.sizes)
-    scale = trace_sizes(spec.batch_size, max(3, spec.batch_size // 4))
+    scale = trace_sizes(spec.batch_size, max(3, round(spec.batch_size * args.trace_fraction)))
 
     def loss_fn(output: Any, b: Any) -> torch.Tensor:
         return adapter.loss(model, b, output)
@@ -1955,8 +1956,9 @@ def scale_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> dict[
             zoomem.wrap(model, attempt or wrapped["min_budget_bytes"], adapter=adapter, batch=batch,
                         trace_batch_size=scale.large)
         except zoomem.InfeasibleBudgetError as exc:
-            wrapped["min_budget_bytes"] = exc.min_budget
+            wrapped.update(min_budget_bytes=exc.min_budget, error=str(exc))
             continue
+        wrapped.pop("error", None)
         p = next(iter(model.__dict__["_zoomem"].plans.values()))
         wrapped.update(budget_mib=p.budget_bytes / MIB, predicted_mib=p.predicted_peak_bytes / MIB,
                        measured_mib=(p.extras.get("measured_peak_bytes") or 0) / MIB, traced_at=p.traced_at,
@@ -1980,7 +1982,7 @@ def _scale_cell(p: dict[str, float]) -> str:
 def _scale_plan_cell(r: dict[str, Any]) -> str:
     p = r["plan"]
     if "measured_mib" not in p:
-        return "no plan"
+        return "no plan: " + p.get("error", "")[:120]
     return (f"{p['budget_mib']:.1f} / {p['predicted_mib']:.1f} / {p['measured_mib']:.1f} "
             f"({p['recomputed']} of {p['units']} recomputed)")
 
@@ -2017,7 +2019,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     machine = machine_info()
     payload = {"benchmark": "scale", "command": command, "date": started.isoformat(timespec="seconds"),
                "machine": machine, "git": _git_info(), "wall_s": wall,
-               "settings": {"quick": args.quick, "seed": args.seed, "fraction": args.fraction}, "results": rows}
+               "settings": {"quick": args.quick, "seed": args.seed, "fraction": args.fraction,
+                            "trace_fraction": args.trace_fraction}, "results": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=1) + "\n")
@@ -2143,14 +2146,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "scale",
         help="planning a batch from traces of smaller ones: extrapolated costs against a trace at the batch",
-        description="Per model, the cost model traced at the batch against the one extrapolated from traces at an "
-        "eighth and a quarter of it (the peaks both predict, the plain step's measured peak, planning time), and a "
+        description="Per model, the cost model traced at the batch against the one extrapolated from traces at a "
+        "quarter and a half of it (the peaks both predict, the plain step's measured peak, planning time), and a "
         "budgeted plan from the extrapolated costs measured at the batch.",
     )
     p.add_argument("--quick", action="store_true", help="the zoo.small variants at batch 8 (seconds; for tests)")
     p.add_argument("--models", nargs="+", metavar="ID", help="model ids (default: SCALE_SIZES)")
     p.add_argument("--fraction", type=float, default=0.6,
                    help="budget of the plan, as a fraction of plain PyTorch's predicted peak (default: %(default)s)")
+    p.add_argument("--trace-fraction", type=float, default=0.5,
+                   help="trace at this share of the batch and half of it (default: %(default)s, the sizes zoomem "
+                   "falls back to when the batch runs out of memory)")
     p.add_argument("--out", default="benchmarks/scale.json", help="JSON output (default: %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")

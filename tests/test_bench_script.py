@@ -200,8 +200,8 @@ def test_bench_scale_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| `hf/gpt2` |" in proc.stdout and "| `pyg/gcn` |" not in proc.stdout  # graphs: no batch dimension
     (r,) = json.loads(out.read_text())["results"]
-    assert r["traced_at"] == [2, 3, 8]
+    assert r["traced_at"] == [2, 4, 8]
     for p in r["peaks"].values():  # the small GPT-2's costs are affine in the batch: extrapolated exactly
         assert abs(p["scaled_mib"] - p["direct_mib"]) <= 0.01 * p["direct_mib"]
     plan = r["plan"]
-    assert plan["traced_at"] == [2, 3, 8] and plan["measured_mib"] <= plan["budget_mib"]
+    assert plan["traced_at"] == [2, 4, 8] and plan["measured_mib"] <= plan["budget_mib"]

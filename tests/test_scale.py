@@ -103,6 +103,13 @@ def test_levels_from_small_probes_store_what_a_full_probe_would() -> None:
     # relative variance: the probe at 4 sequences stands for 16 (both C_s and ||g||^2 fall as 1 / batch here)
     assert full.variance / 4 <= scaled.variance <= 4 * full.variance
 
+    zoomem.wrap(model, level="L2", adapter=adapter, trace_batch_size=4)
+    for _ in range(2):  # the first step plans, the second measures the sensitivities again: on 2 and 4 sequences
+        adapter.loss(model, batch, batch.call(model)).backward()
+    ((sig, plan),) = model._zoomem.plans.items()
+    assert plan.traced_at == [2, 4, 16] and set(plan.bits) == set(full.bits)
+    assert model._zoomem.planning[sig].probe_scale == Scale(2, 4, 16)
+
 
 def test_pyg_graphs_cannot_be_planned_from_smaller_batches() -> None:
     model, adapter, batch = zoo.small("pyg/gcn")

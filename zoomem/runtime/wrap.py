@@ -212,7 +212,7 @@ class _Handle:
 
         with self.planning_scope():
             new = from_rank0(replan, _encode_plan, _decode_plan)
-        new.signature, new.extras = old.signature, dict(old.extras)
+        new.signature, new.extras, new.traced_at = old.signature, dict(old.extras), old.traced_at
         _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
