@@ -130,3 +130,14 @@ def test_example_batch_convenience() -> None:
     assert int(batch.target.max()) < 7
     graph = zoo.example_batch("pyg/gcn", 1, num_nodes=50, num_edges=200)
     assert tuple(graph.args[0].shape) == (50, 128) and tuple(graph.args[1].shape) == (2, 200)
+
+
+def test_hf_local_config_builds_offline(tmp_path) -> None:
+    from transformers import BertConfig
+
+    BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+               architectures=["BertForMaskedLM"]).save_pretrained(tmp_path)
+    for where in (str(tmp_path), str(tmp_path / "config.json")):
+        model, adapter = zoo.build(f"hf/{where}", num_hidden_layers=1)
+        assert type(model).__name__ == "BertForMaskedLM" and adapter.name == "transformers"
+        assert len(adapter.units(model)) == 1  # the override reached the config

@@ -524,8 +524,8 @@ def run_probe(workload: Workload, method: Method, k: int, budget_bytes: int | No
                        min_budget_bytes=int(exc.min_budget))
         except torch.OutOfMemoryError:
             planning = model is not None and "_zoomem" in model.__dict__ and not model.__dict__["_zoomem"].plans
-            rec.update(fits=False, reason="CUDA out of memory" + (" while zoomem planned (its trace runs one plain "
-                                                                   "step)" if planning else ""))
+            rec.update(fits=False, reason="CUDA out of memory" + (" while zoomem planned (down to its smallest "
+                                                                   "sub-batch traces)" if planning else ""))
         except Exception as exc:  # noqa: BLE001 - a result: this method cannot run at this size
             logger.debug("%s at %s=%d failed", method.name, workload.dim, setting.value, exc_info=True)
             rec["error"] = exc_text(exc)

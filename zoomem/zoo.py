@@ -8,7 +8,8 @@ Ids:
   weights and ``attn_implementation="sdpa"``; overrides are fields of that config class, with its own names
   (GPT-2: ``n_layer``/``n_embd``/``n_head``/``n_inner``; T5: ``num_layers``/``num_decoder_layers``/``d_model``/
   ``d_ff``; the others ``num_hidden_layers``/``hidden_size``/``num_attention_heads``/``intermediate_size``).
-  A name not in the table is looked up with ``transformers.AutoConfig.from_pretrained`` (needs the Hub).
+  A name not in the table goes to ``transformers.AutoConfig.from_pretrained``: a local ``config.json`` or a folder
+  holding one works offline (built as its ``architectures`` entry says); a Hub name needs the network.
 - ``pyg/gcn``, ``pyg/gat``, ``pyg/sage``, ``pyg/gin``: ``torch_geometric.nn.models`` GNNs; overrides are their
   constructor arguments (``in_channels``, ``hidden_channels``, ``num_layers``, ``out_channels``, ...).
 
