@@ -810,3 +810,48 @@ def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[
     (g_stock, h_stock), (g_ours, h_ours) = results
     assert torch.isfinite(h_ours).all() and h_ours.norm() > 0
     assert rel(g_ours, g_stock) < 1e-5 and rel(h_ours, h_stock) < 1e-4
+
+
+# CPU flash attention for the sensitivity probe: the stock kernel's values, and a backward a second backward
+# can go through
+@pytest.mark.parametrize("case", ["plain", "causal", "float_mask", "bool_mask", "scale"])
+def test_differentiable_attention_is_the_stock_kernel(case: str) -> None:
+    import torch.nn.functional as F
+
+    from zoomem.ops.attention import differentiable_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, requires_grad=True) for _ in range(3))
+    kw: dict = {"causal": {"is_causal": True}, "scale": {"scale": 0.2},
+                "float_mask": {"attn_mask": torch.randn(2, 1, 10, 10)}}.get(case, {})
+    if case == "bool_mask":
+        mask = torch.rand(10, 10) > 0.3
+        mask[:, 0] = True
+        kw = {"attn_mask": mask}
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert ref.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"  # what this stands in for
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    with differentiable_attention():
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert out.grad_fn.name() == "FlashAttentionCpuBackward"
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), g), ref_grads))
+    with differentiable_attention():  # dropout goes to PyTorch's math path, which is differentiable already
+        dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert dropped.grad_fn.name() != "FlashAttentionCpuBackward"
+
+
+@pytest.mark.parametrize("mask, causal", [(False, False), (True, False), (False, True)])
+def test_differentiable_attention_gradgradcheck(mask: bool, causal: bool) -> None:
+    from zoomem.ops.attention import FlashAttentionCpu
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    m = torch.randn(1, 1, 5, 5, dtype=torch.float64) if mask else None
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        return FlashAttentionCpu.apply(q, k, v, m, causal, None)  # (out, lse): both differentiated
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert torch.autograd.gradgradcheck(f, (q, k, v))

@@ -18,7 +18,7 @@ def _setup(model_id: str, **overrides):  # type: ignore[no-untyped-def]
     return model, adapter.units(model), batch, (lambda out, b: adapter.loss(model, b, out))
 
 
-@pytest.mark.parametrize("model_id", ["hf/bert-base-uncased", "pyg/gat"])
+@pytest.mark.parametrize("model_id", ["hf/bert-base-uncased", "pyg/gat", "timm/vit_tiny_patch16_224"])
 def test_estimate_ranks_tensors_like_brute_force(model_id: str) -> None:
     """Spearman rank correlation >= 0.8 between C_s / 9 (2 bits) and the measured E||g(s in 2 bits) - g||^2.
 

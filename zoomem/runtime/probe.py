@@ -20,6 +20,7 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..compress.sensitivity import estimate_sensitivity
+from ..ops.attention import differentiable_attention
 from ..planner.compression import SavedInfo, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore
@@ -147,7 +148,9 @@ def probe_saved(
     store = SavedTensorStore(record=True, generator=generator)
     grad_sq = 0.0
     with _no_trace(model), torch.enable_grad():
-        with store.hooks(model, batch.args, batch.kwargs), _regions(store, units):
+        # the CPU flash-attention kernel has no double backward: the same kernel and saved tensors, differentiably
+        attention = differentiable_attention() if sensitivity else contextlib.nullcontext()
+        with store.hooks(model, batch.args, batch.kwargs), _regions(store, units), attention:
             out = batch.call(model)
         loss = loss_fn(out, batch)
         _mark_exact_reads(loss, store)
