@@ -131,3 +131,63 @@ def test_speed_measurement_leaves_the_global_rng_alone() -> None:
     after = torch.rand(4)
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(4))
+
+
+_TRITON_CHECKS = '''
+import json, math, torch
+from zoomem.compress.quantize import _grouped, dequantize, quantize
+from zoomem.compress.triton_kernels import triton_dequantize, triton_quantize
+gen = torch.Generator().manual_seed(0)
+out = {"interop": [], "unbiased": {}, "exact": {}}
+for shape in [(4, 1000), (3, 7, 50), (1000,), (2, 100), (5, 256), (0, 8)]:
+    for bits in (1, 2, 4, 8):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+            t, p = triton_quantize(x, bits, 256, gen), quantize(x, bits, 256, gen)
+            same_form = (t.codes.shape == p.codes.shape and t.row_groups == p.row_groups
+                         and torch.equal(t.lo, p.lo) and torch.equal(t.step, p.step))
+            # either dequantizer reads either's codes: a layout slip would put values far from x
+            a, b, c = triton_dequantize(t), dequantize(t), triton_dequantize(p)
+            tol = 0 if dtype == torch.float32 else 2 ** -7
+            readable = (a.dtype == dtype and a.shape == x.shape
+                        and torch.allclose(a.float(), b.float(), rtol=tol, atol=0)
+                        and torch.allclose(c.float(), dequantize(p).float(), rtol=tol, atol=0))
+            step = t.step.max().item() if t.step.numel() else 0.0
+            ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+            within = bool(((a.float() - x.float()).abs() <= step * (1 + 1e-5) + x.float().abs() * ulp).all())
+            out["interop"].append([list(shape), bits, str(dtype), same_form, readable, within])
+for bits in (2, 4):
+    x = torch.randn(8, 512, generator=gen) * torch.linspace(0.1, 10, 512)
+    mean = torch.stack([triton_dequantize(triton_quantize(x, bits, 256, gen)) for _ in range(300)]).mean(0)
+    step = triton_quantize(x, bits, 256, gen).step
+    out["unbiased"][bits] = float(((mean - x).abs() / step.repeat_interleave(256).view(8, 512)).mean())
+c = torch.full((4, 600), 0.3)
+out["exact"]["constant"] = torch.equal(triton_dequantize(triton_quantize(c, 2, 256, gen)), c)
+out["exact"]["nan"] = triton_quantize(torch.tensor([1.0, float("nan")] * 3000), 4, 256, gen) is None
+out["exact"]["inf"] = triton_quantize(torch.tensor([1.0, float("inf")] * 3000), 4, 256, gen) is None
+big = torch.tensor([3e38, -3e38] * 3000)
+out["exact"]["range"] = triton_quantize(big, 1, 256, gen) is None
+print(json.dumps(out))
+'''
+
+
+def test_triton_kernels_under_the_interpreter(tmp_path) -> None:
+    """The CUDA kernels, run on CPU by Triton's interpreter: the same form as the PyTorch path (group statistics
+    bitwise, codes each dequantizer reads), unbiased, exact for constant groups, None for NaN/Inf/huge ranges."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "triton_checks.py"
+    script.write_text(_TRITON_CHECKS)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    bad = [row for row in out["interop"] if not all(row[3:])]
+    assert not bad, bad
+    for bits, bias in out["unbiased"].items():  # mean of 300 roundings: about step / (2 sqrt(300)) ~ 0.03 steps
+        assert bias < 0.06, (bits, bias)
+    assert all(out["exact"].values()), out["exact"]

@@ -8,7 +8,8 @@ so the dequantized tensor is an unbiased estimate of ``x`` whose per-element var
 Values are packed ``8 // bits`` to a byte. A group whose values are all equal comes back exactly.
 
 The work runs in chunks of groups so that its fp32 temporaries stay small next to the activation itself, and it
-is plain vectorised PyTorch: ``torch.compile`` fuses :func:`_quantize_rows` (see ``tests/test_quantize.py``).
+is plain vectorised PyTorch: ``torch.compile`` fuses :func:`_quantize_rows` (see ``tests/test_quantize.py``). On
+CUDA with Triton installed, :mod:`.triton_kernels` does the same in one fused kernel each way (same layout).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .triton_kernels import triton_dequantize, triton_quantize, use_triton
 
 __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantized_nbytes", "group_layout",
            "seconds_per_byte"]
@@ -136,6 +139,8 @@ def quantize(
         raise TypeError(f"quantize takes floating tensors, got {x.dtype}; keep integer and bool tensors exact.")
     if group_size % 8:
         raise ValueError(f"group_size={group_size} must be a multiple of 8.")
+    if use_triton(x, group_size):
+        return triton_quantize(x, bits, group_size, generator)
     grouped, per_row = _grouped(x.detach(), group_size)
     chunk = max(1, _CHUNK_ELEMS // group_size)
     codes, los, steps = [], [], []
@@ -146,6 +151,9 @@ def quantize(
         codes.append(_pack(c, bits))
         los.append(lo)
         steps.append(step)
+    if not codes:  # an empty tensor: no groups
+        codes = [torch.empty(0, group_size * bits // 8, dtype=torch.uint8, device=x.device)]
+        los = steps = [torch.empty(0, dtype=torch.float32, device=x.device)]
     lo, step = torch.cat(los), torch.cat(steps)
     if not bool(torch.isfinite(lo).all() & torch.isfinite(step).all()):  # NaN/Inf in x, or a range beyond fp32
         return None
@@ -154,6 +162,8 @@ def quantize(
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """The tensor a :class:`Quantized` form stands for (same shape, dtype and device as the codes' tensor)."""
+    if use_triton(q.codes, q.group_size):
+        return triton_dequantize(q)
     chunk = max(1, _CHUNK_ELEMS // q.group_size)
     numel = math.prod(q.shape)
     out = torch.empty(numel, dtype=q.dtype, device=q.codes.device)

@@ -521,7 +521,7 @@ _T = TypeVar("_T")
 def _fitting(batch: Batch, adapter: Adapter, scale: Scale | None, what: str,
              run: Callable[[Scale | None], _T]) -> tuple[_T, Scale | None]:
     """``run(scale)``; where it runs out of memory (a plain step of a batch too large for the device: what
-    zoomem is for), ``run`` again on sub-batches half as large, down to 3 samples, and say so once."""
+    zoomem is for), ``run`` again on sub-batches half as large, down to 3 samples, with a warning each time."""
     while True:
         try:
             return run(scale), scale
