@@ -399,3 +399,31 @@ def test_modules_outside_the_units_run_compact_where_they_help() -> None:
     assert not Plan.from_dict(old).outside_compact
     assert Plan.from_dict(dict(old, level="L2")).outside_compact
     zoomem.unwrap(model)
+
+
+def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
+    """``torch.compile(wrapped)``: Dynamo cannot trace planning, checkpoint regions with a custom context or the
+    store's hooks (it raised on a recompute_cheap unit); the training step runs as zoomem planned it, warned once,
+    with plain PyTorch's gradients, and eval forwards still compile."""
+    model, adapter, batch = zoo.small("timm/mobilenetv2_100", batch_size=4)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    plan = zoomem.plan(model, batch, None, adapter=adapter)
+    for u in plan.units[::2]:
+        u.decision = Decision.RECOMPUTE_CHEAP
+    zoomem.wrap(model, adapter=adapter)
+    model._zoomem.plans[(batch.signature(), True)] = plan
+    compiled = torch.compile(model, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        for _ in range(2):
+            torch.manual_seed(0)
+            loss = adapter.loss(model, batch, compiled(*batch.args))
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            assert torch.equal(loss.detach(), ref_loss)
+            assert all(torch.equal(grads[k], g) for k, g in ref_grads.items())
+    assert sum("torch.compile runs this model's training step uncompiled" in r.message for r in caplog.records) == 1
+    model.eval()
+    with torch.no_grad():  # (BatchNorm statistics moved with the two steps: compare with the model itself)
+        assert torch.equal(compiled(*batch.args), model(*batch.args))

@@ -114,6 +114,7 @@ class _Handle:
     forward: Callable[..., Any] | None = None  # zoomem's model forward (a method of the model)
     impl_undos: list[Callable[[], None]] = field(default_factory=list)
     last_graph: OpGraph | None = None
+    compile_warned: bool = False
 
     def compact_on(self, unit: str) -> bool:
         """Whether the running plan switches on the memory-efficient implementations inside ``unit``."""
@@ -736,6 +737,11 @@ def wrap(
     def model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced by torch.compile: the planned step runs as it is, uncompiled
+            return planned_uncompiled(*args, **kwargs)
+        return planned(*args, **kwargs)
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
         batch = Batch(tuple(args), dict(kwargs))
         handle.active = handle.active_for(handle.plan_for(batch))
         handle.steps += 1
@@ -746,6 +752,15 @@ def wrap(
             if handle.active.chain is not None:
                 handle.active.chain.close()
             handle.active = None
+
+    @torch.compiler.disable
+    def planned_uncompiled(*args: Any, **kwargs: Any) -> Any:
+        if not handle.compile_warned:
+            handle.compile_warned = True
+            _log_rank0("zoomem: torch.compile runs this model's training step uncompiled (the planned step "
+                       "traces, recomputes and stores saved tensors in ways Dynamo cannot follow); eval and "
+                       "no_grad forwards compile as usual", level=logging.WARNING)
+        return planned(*args, **kwargs)
 
     # a method of the model, looking like the original: wrappers that rebind `forward.__func__` (Accelerate's
     # mixed precision, and its unwrap_model) and readers of its signature (HF Trainer's column filter) work
