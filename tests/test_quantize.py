@@ -139,9 +139,10 @@ from zoomem.compress.quantize import _grouped, dequantize, quantize
 from zoomem.compress.triton_kernels import triton_dequantize, triton_quantize
 gen = torch.Generator().manual_seed(0)
 out = {"interop": [], "unbiased": {}, "exact": {}}
-for shape in [(4, 1000), (3, 7, 50), (1000,), (2, 100), (5, 256), (0, 8)]:
+for shape, dtypes in [((4, 1000), (torch.float32, torch.bfloat16, torch.float16)), ((3, 7, 50), (torch.float32,)),
+                      ((1000,), (torch.float32,)), ((5, 256), (torch.bfloat16,)), ((0, 8), (torch.float32,))]:
     for bits in (1, 2, 4, 8):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dtype in dtypes:
             x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
             t, p = triton_quantize(x, bits, 256, gen), quantize(x, bits, 256, gen)
             same_form = (t.codes.shape == p.codes.shape and t.row_groups == p.row_groups
@@ -157,10 +158,10 @@ for shape in [(4, 1000), (3, 7, 50), (1000,), (2, 100), (5, 256), (0, 8)]:
             within = bool(((a.float() - x.float()).abs() <= step * (1 + 1e-5) + x.float().abs() * ulp).all())
             out["interop"].append([list(shape), bits, str(dtype), same_form, readable, within])
 for bits in (2, 4):
-    x = torch.randn(8, 512, generator=gen) * torch.linspace(0.1, 10, 512)
-    mean = torch.stack([triton_dequantize(triton_quantize(x, bits, 256, gen)) for _ in range(300)]).mean(0)
+    x = torch.randn(2, 512, generator=gen) * torch.linspace(0.1, 10, 512)
+    mean = torch.stack([triton_dequantize(triton_quantize(x, bits, 256, gen)) for _ in range(200)]).mean(0)
     step = triton_quantize(x, bits, 256, gen).step
-    out["unbiased"][bits] = float(((mean - x).abs() / step.repeat_interleave(256).view(8, 512)).mean())
+    out["unbiased"][bits] = float(((mean - x).abs() / step.repeat_interleave(256).view(2, 512)).mean())
 c = torch.full((4, 600), 0.3)
 out["exact"]["constant"] = torch.equal(triton_dequantize(triton_quantize(c, 2, 256, gen)), c)
 out["exact"]["nan"] = triton_quantize(torch.tensor([1.0, float("nan")] * 3000), 4, 256, gen) is None
@@ -188,6 +189,6 @@ def test_triton_kernels_under_the_interpreter(tmp_path) -> None:
     out = json.loads(run.stdout.strip().splitlines()[-1])
     bad = [row for row in out["interop"] if not all(row[3:])]
     assert not bad, bad
-    for bits, bias in out["unbiased"].items():  # mean of 300 roundings: about step / (2 sqrt(300)) ~ 0.03 steps
-        assert bias < 0.06, (bits, bias)
+    for bits, bias in out["unbiased"].items():  # mean of 200 roundings: about 0.8 step / (2 sqrt(200)) ~ 0.03 steps
+        assert bias < 0.07, (bits, bias)
     assert all(out["exact"].values()), out["exact"]

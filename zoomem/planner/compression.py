@@ -34,6 +34,7 @@ class SavedInfo:
     sensitivity: float = 0.0  # C_s
     input_of: tuple[str, ...] = ()  # units (other than its region) that take this tensor as input
     measured: bool = True  # False: C_s is a value-range proxy (the model has an op without a double backward)
+    node: int = -1  # the autograd node whose backward unpacks it (numbered by the probe; its tensors come back at once)
 
     @property
     def numel(self) -> int:
@@ -51,7 +52,7 @@ class SavedInfo:
     def to_dict(self) -> dict:  # type: ignore[type-arg]
         return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
-                "input_of": list(self.input_of)}
+                "input_of": list(self.input_of), "node": self.node}
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,8 @@ class CostModel:
     saved_seg: list[int] = field(default_factory=list)
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     grad_sq: float = 0.0
+    fused_quantize: bool = False
+    """(De)quantization runs in the fused Triton kernels (CUDA), which hold nothing beyond their results."""
     outside_gain: list[int] = field(default_factory=list)
     """Per memory point: bytes the compact forms outside the units take off (measured; empty: none to use)."""
     chain: dict[int, int] = field(default_factory=dict)
@@ -261,8 +263,10 @@ class CostModel:
             chain=chain,
         )
 
-    def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float]) -> None:
-        """Add the probe's saved tensors (those that may be stored lossily) for the joint program."""
+    def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float],
+                     fused: bool | None = None) -> None:
+        """Add the probe's saved tensors (those that may be stored lossily) for the joint program; ``fused``:
+        whether (de)quantizing runs the Triton kernels (``None``: as before)."""
         seg = {u: i + 1 for i, u in enumerate(self.units)}
         head = len(self.units) + 1
 
@@ -280,25 +284,48 @@ class CostModel:
         self.saved_seg = [seg_of(s.region) for s in self.saved]
         self.grad_sq = grad_sq
         self.compress_s_per_byte = dict(seconds_per_byte)
+        if fused is not None:
+            self.fused_quantize = fused
         self.__dict__.pop("_matrix_cache", None)
+
+    def scratch(self, s: SavedInfo, bits: int) -> tuple[int, int]:
+        """Bytes quantizing ``s`` in ``bits`` holds beyond its packed form where it is saved, and dequantizing it
+        beyond its unpacked copy where it comes back (:func:`zoomem.compress.quantize.scratch_nbytes`)."""
+        from ..compress.quantize import scratch_nbytes
+
+        return scratch_nbytes(s.shape, s.dtype, bits, fused=self.fused_quantize)
+
+    def unpack_groups(self) -> dict[int, list[list[int]]]:
+        """Per segment, the lossy-eligible tensors (indices into ``saved``) that one autograd node's backward
+        unpacks together (:attr:`SavedInfo.node`; a tensor whose node is unknown is a group of its own)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (s, k) in enumerate(zip(self.saved, self.saved_seg)):
+            groups.setdefault((k, s.node if s.node >= 0 else -1 - j), []).append(j)
+        out: dict[int, list[list[int]]] = {}
+        for (k, _), members in groups.items():
+            out.setdefault(k, []).append(members)
+        return out
 
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
         """Bytes a bit assignment takes off each memory point: a tensor saved in segment k is held packed at
-        every point after k's forward, and during k's own backward too, less one dequantized tensor at a time
-        (backward unpacks the tensors of one op at once); during k's forward it counts whole."""
+        every point after k's forward, and during k's own backward too, less the dequantized copies of one node's
+        lossy tensors at a time (a backward node unpacks all it saved at once: attention's q, k, v and output) and
+        the largest dequantization scratch; during k's forward it counts whole (which also covers quantizing's
+        scratch, a chunk's worth: the tensors packed before the forward's peak are not credited either)."""
         out = np.zeros(len(self.points))
         if not bits:
             return out
         seg = np.array([p.seg for p in self.points])
         in_backward = np.array([p.phase != "forward" for p in self.points])
-        transient: dict[int, int] = {}
         for s, k in zip(self.saved, self.saved_seg):
             b = bits.get(s.key)
             if b:
                 out += ((seg > k) | ((seg == k) & in_backward)) * (s.nbytes - s.packed_nbytes(b))
-                transient[k] = max(transient.get(k, 0), s.nbytes)
-        for k, t in transient.items():
-            out -= ((seg == k) & in_backward) * t
+        for k, groups in self.unpack_groups().items():
+            t = max(sum(self.saved[j].nbytes for j in g if bits.get(self.saved[j].key)) for g in groups)
+            scratch = max((self.scratch(self.saved[j], bits[self.saved[j].key])[1] for g in groups for j in g
+                           if bits.get(self.saved[j].key)), default=0)
+            out -= ((seg == k) & in_backward) * (t + scratch)
         return out
 
     def compress_time(self, bits: dict[str, int]) -> float:

@@ -235,13 +235,28 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 vs.append(v)
             prob += pulp.lpSum(vs) <= 1
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
-    # during segment k's backward its packed tensors are unpacked one op at a time: one dequantized copy at most
+    # during segment k's backward its packed tensors are unpacked one node at a time: one node's lossy tensors
+    # are dequantized copies at once
     unpacked: dict[int, pulp.LpVariable] = {}
+    if q:
+        for k, groups in model.unpack_groups().items():
+            for g in groups:
+                terms = [model.saved[j].nbytes * q[model.saved[j].key, b] for j in g for b in compress.bits
+                         if (model.saved[j].key, b) in q]
+                if not terms:
+                    continue
+                if k not in unpacked:
+                    unpacked[k] = pulp.LpVariable(f"u_{k}", 0)
+                prob += unpacked[k] >= pulp.lpSum(terms)
+    # dequantizing holds scratch beside the copy: the largest in a segment's backward (CostModel.compress_gain_rows)
+    unpacking: dict[int, pulp.LpVariable] = {}
     for (key, b), v in q.items():
         s, k = by_key[key]
-        if k not in unpacked:
-            unpacked[k] = pulp.LpVariable(f"u_{k}", 0)
-        prob += unpacked[k] >= s.nbytes * v
+        nbytes = model.scratch(s, b)[1]
+        if nbytes:
+            if k not in unpacking:
+                unpacking[k] = pulp.LpVariable(f"ds_{k}", 0)
+            prob += unpacking[k] * _PER_MIB >= nbytes * _PER_MIB * v
     # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
     # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)
     chain_of = {model.storages[j].sid: seg for seg, j in model.chain.items() if seg in drop}
@@ -296,6 +311,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= pulp.lpSum(gains)
             if p.phase != "forward" and p.seg in unpacked:
                 expr += unpacked[p.seg]
+        if p.phase != "forward" and p.seg in unpacking:
+            expr += unpacking[p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     time_cost = pulp.lpSum(

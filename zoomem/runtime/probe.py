@@ -57,7 +57,8 @@ _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
 
 
 def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
-    """Mark the saved tensors that an :data:`EXACT_READS` backward reads as never lossy; returns how many."""
+    """Mark the saved tensors that an :data:`EXACT_READS` backward reads as never lossy (returns how many), and
+    number the nodes that hold saved tensors (:attr:`SavedInfo.node`)."""
     def ident(t: torch.Tensor) -> tuple:  # type: ignore[type-arg]  (unpacking makes new objects: match storage)
         return (t.data_ptr(), tuple(t.shape), t.stride()) if t.layout == torch.strided else (id(t),)
 
@@ -71,6 +72,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
             continue
         seen.add(id(node))
         stack.extend(n for n, _ in node.next_functions)
+        _number_node(node, len(seen), by_id, store, ident)
         name = type(node).__name__
         own = getattr(node, "exact_reads", None)  # zoomem's own Functions declare theirs (indices of saved_tensors)
         if own:
@@ -93,6 +95,23 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
                 store.infos[key].lossy = f"read through a comparison or reciprocal ({name})"
                 marked += 1
     return marked
+
+
+def _number_node(node: Any, number: int, by_id: dict, store: SavedTensorStore,  # type: ignore[type-arg]
+                 ident: Callable[[torch.Tensor], tuple]) -> None:  # type: ignore[type-arg]
+    """Record ``number`` as the node of every saved tensor ``node`` holds: its backward unpacks them together, so
+    the planner counts their dequantized copies at once."""
+    try:
+        if hasattr(node, "saved_tensors") and not any(a.startswith("_saved_") for a in dir(node)):
+            tensors = list(node.saved_tensors)  # a custom Function's
+        else:
+            tensors = [getattr(node, a, None) for a in dir(node) if a.startswith("_saved_")]
+    except RuntimeError:  # freed, or not unpackable here: no grouping for it
+        return
+    for t in tensors:
+        key = by_id.get(ident(t)) if isinstance(t, torch.Tensor) else None
+        if key is not None and store.infos[key].node < 0:
+            store.infos[key].node = number
 
 
 @contextlib.contextmanager

@@ -27,9 +27,11 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
-from ..compress.quantize import seconds_per_byte
+from ..compress.quantize import GROUP_SIZE, seconds_per_byte
+from ..compress.triton_kernels import use_triton
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
+from ..ops.functional import separate_masks
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN
 from .distributed import from_rank0, world_size
@@ -280,26 +282,32 @@ def cost_model(
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     graph: OpGraph | None = None,
+    lossy: bool = False,
 ) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
     """What every plan of ``model`` on ``batch`` is made from: the traced step, measured once more with the
     memory-efficient implementations of the modules outside the units on, and once more with every one on (what
     ``compact`` saves per unit, and costs), as a :class:`CostModel` (optimizer state in its fixed bytes), with the
-    implementations chosen per unit (:func:`install_impls`)."""
+    implementations chosen per unit (:func:`install_impls`). ``lossy``: the compact forms are measured as they run
+    under zoomem's saved-tensor store (BatchNorm then saves its normalised input and a 1-bit mask, tensors the
+    plain compact form never makes), which is what lossy plans run and what their savings are counted against."""
     graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     units = adapter.units(model)
     chosen = choose_impls(model, units, batch, outside=True)
     loss = _loss(adapter, model, loss_fn)
+    as_stored = separate_masks if lossy else contextlib.nullcontext
     graph.timeline_outside = []
     if chosen.get(OUTSIDE_UNITS) and graph.timeline:
         undo = install_all({OUTSIDE_UNITS: chosen[OUTSIDE_UNITS]})
         try:
-            graph.timeline_outside = measure_timeline(model, batch, loss, units)
+            with as_stored():
+                graph.timeline_outside = measure_timeline(model, batch, loss, units)
         finally:
             undo()
     if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
         undo = install_all(chosen)
         try:
-            graph.timeline_compact = measure_timeline(model, batch, loss, units)
+            with as_stored():
+                graph.timeline_compact = measure_timeline(model, batch, loss, units)
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
@@ -338,8 +346,8 @@ def _make(
     scale = _first_scale(batch, trace_batch_size) if graph is None else None
     (costs, chosen, graph), scale = _fitting(
         batch, adapter, scale, "tracing the step",
-        lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph) if s is None
-        else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s))
+        lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph, lossy) if s is None
+        else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s, lossy))
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -353,7 +361,8 @@ def _make(
             batch, adapter, scale, "measuring sensitivities",
             lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in (compress or CompressOptions()).bits})
+        costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in (compress or CompressOptions()).bits},
+                           fused=use_triton(torch.empty(0, device=device), GROUP_SIZE))
     if level is not None:
         new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
         new.budget_bytes = budget_bytes
@@ -499,12 +508,13 @@ def _probe_at(handle: "_Handle | None", batch: Batch, adapter: Adapter,
 
 def _scaled_cost_model(
     model: nn.Module, batch: Batch, adapter: Adapter, optimizer: torch.optim.Optimizer | None,
-    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, scale: Scale,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, scale: Scale, lossy: bool = False,
 ) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
     """:func:`cost_model` at ``scale.target`` samples from traces of the batch's first ``scale.small`` and
     ``scale.large`` samples (:func:`zoomem.planner.scale.scale_costs`); the graph is the larger trace's."""
-    small, _, _ = cost_model(model, adapter.sub_batch(batch, scale.small), adapter, optimizer, loss_fn)
-    large, chosen, graph = cost_model(model, adapter.sub_batch(batch, scale.large), adapter, optimizer, loss_fn)
+    small, _, _ = cost_model(model, adapter.sub_batch(batch, scale.small), adapter, optimizer, loss_fn, lossy=lossy)
+    large, chosen, graph = cost_model(model, adapter.sub_batch(batch, scale.large), adapter, optimizer, loss_fn,
+                                      lossy=lossy)
     return scale_costs(small, large, scale), chosen, graph
 
 
