@@ -322,3 +322,14 @@ def test_cuda_known_allocation_and_phases():
     assert r.phases["forward"] == PhaseStat(r.baseline_bytes + (4 << 20), r.baseline_bytes)
     assert r.phases["backward"] == PhaseStat(r.baseline_bytes + (1 << 20), r.baseline_bytes + (1 << 20))
     del kept, pre
+
+
+def test_out_of_memory_is_recognised() -> None:
+    """A real CPU allocation failure (1 PiB), CUDA's error type and Python's MemoryError count; other errors not."""
+    from zoomem.measure import is_out_of_memory
+
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(1 << 50, dtype=torch.uint8)
+    assert is_out_of_memory(cpu.value)
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) and is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(ValueError("x"))

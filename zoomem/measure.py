@@ -341,9 +341,10 @@ def measure_step(
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that did not fit: CUDA's (or any accelerator's) ``OutOfMemoryError``, or
-    the CPU allocator's ``RuntimeError`` ("can't allocate memory"), which PyTorch does not raise as one."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
+    """Whether ``exc`` is an allocation that did not fit: CUDA's (or any accelerator's) ``OutOfMemoryError``, the
+    CPU allocator's ``RuntimeError`` ("can't allocate memory"), which PyTorch does not raise as one, or Python's
+    ``MemoryError`` (the profiler's ``std::bad_alloc``)."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
 
 
