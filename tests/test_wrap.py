@@ -227,6 +227,24 @@ def test_compact_implementations_save_what_was_predicted() -> None:
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_verification_steps_lower_when_the_overshoot_barely_moves() -> None:
+    """The verification loop's next target: the overshoot off the prediction after one plan; after two, a
+    secant step through their (predicted, measured) peaks, at most four overshoots deep (the BERT-large case:
+    targets 10 MiB lower measured 2 MiB lower)."""
+    from zoomem.runtime.wrap import _next_margin
+
+    mib, budget = 1 << 20, 1024 << 20
+    first = _next_margin(0.01, budget, [(1014 * mib, 1033 * mib)])
+    assert budget / (1 + first) == pytest.approx((1024 / 1.01 - 9 - 2.048) * mib, rel=1e-4)  # the target binds
+    second = _next_margin(first, budget, [(1014 * mib, 1033 * mib), (1003 * mib, 1031 * mib)])
+    target = budget / (1 + second)
+    assert target < (1003 - 9 * 4) * mib + 1e-3 * mib  # the slope 2/11 is taken as 1/4
+    steep = _next_margin(first, budget, [(1014 * mib, 1033 * mib), (1004 * mib, 1025 * mib)])  # slope 0.8
+    assert budget / (1 + steep) == pytest.approx((1004 - (1025 - 1024 * 0.998) / 0.8) * mib, rel=1e-4)
+    loose = _next_margin(0.5, budget, [(600 * mib, 1030 * mib)])  # a plan predicted well below its target
+    assert budget / (1 + loose) == pytest.approx((600 - (1030 - 1024 * 0.998)) * mib, rel=1e-4)
+
+
 def test_measured_plans_may_use_the_last_percent() -> None:
     """Plans aim 1% below the budget, for an unmeasured prediction; the wrapped path measures its plan, so a
     budget between the predicted minimum and the reported one (minimum + 1%) works when the step fits."""
