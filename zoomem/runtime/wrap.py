@@ -581,7 +581,7 @@ def _next_margin(margin: float, budget: int, tried: list[tuple[int, int]]) -> fl
 
     After one: aim lower by the overshoot (plus 0.2%). After two: a secant step through the last two, since a
     prediction that is low by a few percent is often low by more at lower targets (on BERT-large with compression
-    three rounds of the first rule measured 1032.8, 1030.8 and 1029.5 MiB for targets 1013.9, 1003.3 and 995.2
+    three rounds of the first rule measured 1032.8, 1030.8 and 1029.5 MiB for targets 1013.9, 1003.3 and 995.0
     MiB); its slope is taken as at least 1/4, so one step goes at most four overshoots lower.
     """
     predicted, measured = tried[-1]
