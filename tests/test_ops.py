@@ -775,7 +775,9 @@ def test_timm_resnet18_gradients_match(everything: bool) -> None:
     "model_id, impls",
     [
         ("timm/resnet18", {"relu_bitmask", "batchnorm_output", "conv2d_split_backward"}),
-        ("hf/bert-base-uncased", {"dropout_bitmask", "layernorm_output", "linear_split_backward"}),
+        ("hf/bert-base-uncased", {"dropout_bitmask", "layernorm_output", "linear_split_backward",
+                                  "attention_recompute"}),
+        ("hf/gpt2", {"attention_recompute", "pointwise_recompute", "cross_entropy_logits"}),
         ("pyg/sage", {"message_passing_spmm"}),  # mean aggregation: aten's CPU SpMM-reduce kernel, routed
     ],
 )
@@ -795,7 +797,7 @@ def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[
         model, adapter, batch = small(model_id, batch_size=1)
         model.train()
         if compact:
-            chosen = choose_impls(model, adapter.units(model), batch)
+            chosen = choose_impls(model, adapter.units(model), batch, outside=True)
             assert impls <= {impl.name for pairs in chosen.values() for _, impl in pairs}
             install_all(chosen)
         params = [p for p in model.parameters() if p.requires_grad]

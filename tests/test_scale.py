@@ -79,7 +79,7 @@ def test_wrap_plans_a_large_batch_from_small_traces_with_exact_gradients() -> No
     model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=24)
     reference = copy.deepcopy(model)
     ref_loss, ref_grads, ref_peak = _step(reference, adapter, batch)
-    zoomem.wrap(model, "80%", adapter=adapter, batch=batch, trace_batch_size=6)
+    zoomem.wrap(model, "70%", adapter=adapter, batch=batch, trace_batch_size=6)  # at 80% compact forms do
     plan = next(iter(model._zoomem.plans.values()))
     assert plan.traced_at == [3, 6, 24] and "traced at batches of 3 and 6 samples and extrapolated to 24" in plan.summary()
     assert any(u.decision != Decision.KEEP for u in plan.units)

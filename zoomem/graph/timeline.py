@@ -43,10 +43,10 @@ class SegmentStat:
 
 
 class _Held:
-    __slots__ = ("tensor", "seg")
+    __slots__ = ("tensor", "seg", "raw")
 
-    def __init__(self, tensor: torch.Tensor, seg: int) -> None:
-        self.tensor, self.seg = tensor, seg
+    def __init__(self, tensor: Any, seg: int, raw: bool = False) -> None:
+        self.tensor, self.seg, self.raw = tensor, seg, raw
 
 
 def measure_timeline(
@@ -93,7 +93,7 @@ def _measure(
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}
     meter = MemoryMeter(model, batch)
     marks: list[tuple[int, str, float]] = []
-    state = {"seg": 0, "inside": False, "bseg": head}
+    state = {"seg": 0, "inside": False, "bseg": head, "backward": False}
 
     def mark(seg: int, phase: str) -> None:
         meter.mark(f"{len(marks)}:{phase}:{seg}")
@@ -111,13 +111,15 @@ def _measure(
     inner_pack, inner_unpack = saved_hooks or (None, None)
 
     def pack(t: torch.Tensor) -> Any:
+        if state["backward"]:  # a backward that recomputes (zoomem's attention, a reentrant checkpoint) saves for
+            return _Held(t, state["bseg"], raw=True)  # its own short-lived graph: no segment, not the runtime's
         return _Held(inner_pack(t) if inner_pack else t, state["seg"])
 
     def unpack(h: Any) -> torch.Tensor:
         if h.seg != state["bseg"]:
             mark(state["bseg"], "backward")
             state["bseg"] = h.seg
-        return inner_unpack(h.tensor) if inner_unpack else h.tensor
+        return inner_unpack(h.tensor) if inner_unpack and not h.raw else h.tensor
 
     handles = []
     for u in units:
@@ -130,6 +132,7 @@ def _measure(
                 output = batch.call(model)
                 loss = loss_fn(output, batch)
                 mark(state["seg"], "forward")
+                state["backward"] = True
                 loss.backward()
                 mark(state["bseg"], "backward")
             del output, loss

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .functional import _kernel_value
+from .functional import _fused_dropout_device, _kernel_value, stores_lossily
+from .packbits import pack_bool, unpack_bool
 
-__all__ = ["FlashAttentionCpu", "differentiable_attention"]
+__all__ = ["FlashAttentionCpu", "MathAttention", "differentiable_attention", "recompute_attention"]
 
 _FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION.value, what torch._fused_sdp_choice returns for it
 
@@ -121,3 +122,246 @@ class differentiable_attention(TorchFunctionMode):
             attn_mask = _bool_to_additive(attn_mask, query.dtype)
         out, _ = FlashAttentionCpu.apply(query, key, value, attn_mask, is_causal, scale)
         return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SDPA's math path keeping q, k, v and a 1-bit dropout mask, recomputing the N x N tensors in backward
+
+_MATH = 0  # torch.nn.attention.SDPBackend.MATH.value
+_EXACT_DTYPES = (torch.float32, torch.float64)
+"""Where :func:`_math_attention` is aten's path op for op; in fp16/bf16 aten's CPU math path upcasts to fp32."""
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                    dropout_p: float, scale: float | None, fused: bool,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``_scaled_dot_product_attention_math`` as aten composes it (the same ops in the same order, so values and
+    autograd's gradients are bitwise those of the stock path). A boolean ``mask`` or ``is_causal`` become the same
+    additive 0 / -inf mask as there. Dropout draws its mask as aten does on this device, or, given ``keep`` (the
+    mask of an earlier draw), rebuilds the very same multiplier from it. Returns ``(out, keep, softmax)``."""
+    if is_causal:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = _bool_to_additive(mask, q.dtype)
+    scores = _scores(q, k, scale)
+    if mask is not None:
+        scores = scores + mask
+    p = torch._safe_softmax(scores, -1)
+    pd, keep = _dropout(p, dropout_p, fused, keep)
+    return torch.matmul(pd, v), keep, p
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    return torch.matmul(q * sf, k.transpose(-2, -1) * sf)
+
+
+def _dropout(p: torch.Tensor, dropout_p: float, fused: bool,
+             keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if dropout_p <= 0.0:
+        return p, keep
+    if fused:  # native_dropout (CUDA & co.): out = p * mask * (1 / (1 - p_drop))
+        if keep is None:
+            return torch.native_dropout(p, dropout_p, True)
+        return torch.ops.aten.native_dropout_backward(p, keep, 1.0 / (1.0 - dropout_p)), keep
+    # aten's _dropout_impl on CPU: noise = bernoulli(1 - p_drop) / (1 - p_drop); p * noise
+    if keep is None:
+        noise = torch.empty_like(p).bernoulli_(1 - dropout_p)
+        keep = noise != 0
+    else:
+        noise = keep.to(p.dtype)
+    noise.div_(1 - dropout_p)
+    return p * noise, keep
+
+
+class MathAttention(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` on its math path, returning ``(out, softmax)`` and saving less than the
+    stock path (the scaled ``q`` and ``k``, the softmax, the dropout noise in the input's dtype on CPU and the
+    dropped-out probabilities: three N x N tensors).
+
+    - ``keep_softmax=False`` (exact storage): saves ``q, k, v`` (what the projections produced, usually held anyway)
+      and a 1-bit dropout mask; backward runs the same forward ops again from them and differentiates them (one
+      more ``q k^T`` and softmax).
+    - ``keep_softmax=True`` (under zoomem's store, where saved tensors may be rounded): saves the softmax too, as
+      the stock path does, so that every saved float is one the gradient reads linearly or through the softmax's
+      own backward (``q`` and ``k`` reach it through ``exp(q k^T)`` in the other mode: rounding them would bias
+      it); the dropout noise and the dropped-out probabilities are still not kept.
+
+    Gradients are bitwise the stock path's (the same ops, differentiated by autograd); twice differentiable (the
+    backward runs on the saved tensors' history under ``create_graph``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, dropout_p, scale, keep_softmax):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        fused = _fused_dropout_device(q)
+        out, keep, p = _math_attention(q, k, v, mask, is_causal, dropout_p, scale, fused)
+        saved = [q, k, v]
+        ctx.has_mask, ctx.keep_shape, ctx.keep_softmax = False, None, keep_softmax
+        if keep_softmax:
+            saved.append(p)
+        elif mask is not None:
+            ctx.has_mask = True
+            saved.append(mask)
+        if keep is not None:
+            packed, ctx.keep_shape = pack_bool(keep)
+            saved.append(packed)
+        ctx.save_for_backward(*saved)
+        ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.fused = is_causal, dropout_p, scale, fused
+        # recomputing, q and k reach the gradient through exp(q k^T): rounding them is not a small perturbation of
+        # the gradient (it biases the softmax), so a lossy store keeps them exact (zoomem.runtime.probe)
+        ctx.exact_reads = () if keep_softmax else (0, 1)
+        return out, p
+
+    @staticmethod
+    def backward(ctx, grad, grad_p):  # type: ignore[override]
+        saved = list(ctx.saved_tensors)
+        q, k, v = saved[:3]
+        keep = unpack_bool(saved[-1], ctx.keep_shape) if ctx.keep_shape is not None else None
+        create = torch.is_grad_enabled()
+        need = ctx.needs_input_grad
+        result: list[torch.Tensor | None] = [None] * 8
+        if grad is None and grad_p is None:
+            return tuple(result)
+        if not create and grad_p is None and not need[3]:  # an ordinary backward: stock's kernels, in place
+            if ctx.keep_softmax:
+                p = saved[3]
+            else:
+                mask = saved[3] if ctx.has_mask else None
+                with torch.no_grad():
+                    _, _, p = _math_attention(q, k, v, mask, ctx.is_causal, 0.0, ctx.scale, ctx.fused)
+            del saved
+            gq, gk, gv = _attention_backward(q, k, v, p, keep, grad, ctx.dropout_p, ctx.scale, ctx.fused, need[:3])
+            return gq, gk, gv, None, None, None, None, None
+
+        def leaf(t: torch.Tensor, needed: bool) -> torch.Tensor:  # the recomputation's graph dies with this call
+            return t if create else t.detach().requires_grad_(needed and t.is_floating_point())
+
+        if ctx.keep_softmax:
+            p = saved[3]
+            qi, ki, vi, pi = leaf(q, need[0]), leaf(k, need[1]), leaf(v, need[2]), leaf(p, True)
+            with torch.enable_grad():
+                out, _ = _dropout(pi, ctx.dropout_p, ctx.fused, keep)
+                out = torch.matmul(out, vi)
+            wanted = [pi] + ([vi] if need[2] else [])
+            grads = torch.autograd.grad(out, wanted, grad, create_graph=create, allow_unused=True) \
+                if grad is not None else (None, None)
+            gp = grads[0] if grad_p is None else grad_p if grads[0] is None else grads[0] + grad_p
+            if need[2]:
+                result[2] = grads[1]
+            if gp is not None and (need[0] or need[1]):
+                gs = torch._softmax_backward_data(gp, p, -1, p.dtype)
+                with torch.enable_grad():
+                    scores = _scores(qi, ki, ctx.scale)
+                inputs = [t for t, n in ((qi, need[0]), (ki, need[1])) if n]
+                gqk = list(torch.autograd.grad(scores, inputs, gs, create_graph=create, allow_unused=True))
+                if need[0]:
+                    result[0] = gqk.pop(0)
+                if need[1]:
+                    result[1] = gqk.pop(0)
+            return tuple(result)
+        mask = saved[3] if ctx.has_mask else None
+        args = [leaf(t, n) if t is not None else None for t, n in zip((q, k, v, mask), need[:4])]
+        wanted = [i for i, t in enumerate(args) if t is not None and need[i]]
+        if not wanted:
+            return tuple(result)
+        with torch.enable_grad():
+            out, _, p = _math_attention(*args, ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.fused, keep)
+        outs, grads_in = zip(*[(o, g) for o, g in ((out, grad), (p, grad_p)) if g is not None])
+        grads = torch.autograd.grad(outs, [args[i] for i in wanted], grads_in, create_graph=create,
+                                    allow_unused=True)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return tuple(result)
+
+
+def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
+                        keep: torch.Tensor | None, grad: torch.Tensor, dropout_p: float, scale: float | None,
+                        fused: bool, need: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The gradients autograd computes through :func:`_math_attention` given its softmax ``p``, with its kernels
+    on the same operands (bitwise), holding at most three N x N tensors at a time (autograd's graph of the
+    recomputation would hold the dropout noise and the dropped-out probabilities beside them)."""
+    if dropout_p > 0.0:
+        if fused:
+            pd = torch.ops.aten.native_dropout_backward(p, keep, 1.0 / (1.0 - dropout_p))
+        else:  # p * noise, noise = keep / (1 - p_drop): the same products, without an N x N float noise tensor
+            r = torch.ones((), dtype=p.dtype, device=p.device).div_(1 - dropout_p)
+            pd = (p * r).masked_fill_(keep.logical_not(), 0)
+    else:
+        pd = p
+    gv = torch.matmul(pd.transpose(-2, -1), grad) if need[2] else None
+    del pd
+    gq = gk = None
+    if need[0] or need[1]:
+        gp = torch.matmul(grad, v.transpose(-2, -1))
+        if dropout_p > 0.0:
+            if fused:
+                gp = torch.ops.aten.native_dropout_backward(gp, keep, 1.0 / (1.0 - dropout_p))
+            else:
+                gp = gp.masked_fill_(keep.logical_not(), 0).mul_(r)
+        gs = torch._softmax_backward_data(gp, p, -1, p.dtype)
+        del gp
+        # matmul(q * sf, k^T * sf)'s backward as autograd runs it: bmm on the 3-D operands matmul made
+        sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+        gs3 = gs.reshape(-1, *gs.shape[-2:])
+        if need[0]:
+            ks = k.transpose(-2, -1) * sf
+            gq = gs3.bmm(ks.reshape(-1, *ks.shape[-2:]).transpose(1, 2)).view(q.shape) * sf
+        if need[1]:
+            qs = q * sf
+            gk = (qs.reshape(-1, *qs.shape[-2:]).transpose(1, 2).bmm(gs3).view(k.transpose(-2, -1).shape)
+                  * sf).transpose(-2, -1)
+    return gq, gk, gv
+
+
+class recompute_attention(TorchFunctionMode):
+    """Inside the block, ``F.scaled_dot_product_attention`` calls that PyTorch would run on its math path (on CPU:
+    whenever attention dropout is on, as in training BERT or GPT-2) run :class:`MathAttention`: the same values
+    and gradients, without keeping the three N x N tensors between forward and backward. Calls that go to a
+    fused kernel (flash / memory-efficient attention, which keep only ``q, k, v``, the output and the row
+    log-sum-exp already), in half precision, under autocast, with grouped-query expansion or without a gradient run
+    as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            routed = self._route(*args, **kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _route(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        tensors = (query, key, value)
+        if (enable_gqa or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in tensors)
+                or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+                or (attn_mask is not None and not isinstance(attn_mask, torch.Tensor))
+                or (attn_mask is not None and is_causal) or query.dim() < 3
+                or not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]  # no broadcast batch dimensions
+                or any(t.dtype not in _EXACT_DTYPES for t in tensors)
+                or torch.is_autocast_enabled(query.device.type)):
+            return None
+        if torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale) != _MATH:
+            return None
+        out, _ = MathAttention.apply(query, key, value, attn_mask, bool(is_causal), float(dropout_p), scale,
+                                     stores_lossily())
+        return out
+
+
+def attention_forward(module: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """The ``attention_recompute`` implementation: the module's own forward, its SDPA calls routed by
+    :class:`recompute_attention`."""
+    with recompute_attention():
+        return original(*args, **kwargs)
+
+
+def attention_applies(module: Any) -> bool:
+    """A layer registered as ``kind="attention"`` (HF ``*Attention`` classes, timm's ``Attention``) that holds no
+    other such layer (BERT's ``BertAttention`` wraps ``BertSelfAttention``, which gets the switch)."""
+    from ..adapters.registry import layer_spec  # the layer registry is the one home of "which classes attend"
+
+    def attends(m: Any) -> bool:
+        spec = layer_spec(m)
+        return spec is not None and spec.kind == "attention"
+
+    return attends(module) and not any(attends(m) for m in module.modules() if m is not module)

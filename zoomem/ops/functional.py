@@ -19,7 +19,13 @@ max_pool2d                  uint8 window offsets (input + int64 indices)     bit
 linear / conv2d             the same tensors, but backward computes the      bitwise
                             weight gradient first and frees the input
                             before the input gradient is allocated
+recompute_pointwise         its input (2-4 intermediates of a multi-op       bitwise; one more evaluation
+                            activation such as GPT-2's gelu_new)             in backward
 ==========================  ===============================================  ==================================
+
+Two more live beside them: :class:`zoomem.ops.attention.MathAttention` (SDPA's math path keeping ``q, k, v`` and a
+1-bit dropout mask instead of three N x N tensors; bitwise) and :class:`zoomem.ops.loss.CrossEntropy` (keeping the
+logits instead of the log-probabilities; ~1e-7 relative).
 
 "Output-activated" functions (batch_norm_act, layer_norm, rms_norm) recover the normalized input from the saved
 output, ``xhat = (y - beta) / gamma``: this loses a few ulps when ``|beta|`` dominates ``|gamma * xhat|`` and is
@@ -45,8 +51,10 @@ backward runs as before: the same kernels, no extra temporaries, the same saved 
 recomputed mask matches). linear/conv2d call the weight- and input-gradient kernels separately: bitwise on CPU; on
 CUDA cuDNN may pick other algorithms for the separate calls (last-bit differences).
 
-GELU / SiLU are deliberately absent: they need their input, and saving it in fewer bits is lossy. The planner
-handles them by recomputation.
+Pointwise activations written as several ops (HF's ``gelu_new``, ``gelu_fast``, ``quick_gelu``, ...) save two to
+four input-sized tensors under stock autograd; :func:`recompute_pointwise` saves only the input and runs the
+activation again in backward (bitwise gradients: the same ops, differentiated by autograd). Single-op activations
+(``F.gelu``, ``F.silu``) already save only their input.
 
 >>> x = torch.randn(4, 8, requires_grad=True)
 >>> y = relu(x)                       # saves 1 bit per element instead of the float output
@@ -81,7 +89,9 @@ __all__ = [
     "max_pool2d",
     "linear",
     "conv2d",
+    "recompute_pointwise",
     "saves_output",
+    "stores_lossily",
 ]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +221,12 @@ def separate_masks() -> Iterator[None]:
         yield
     finally:
         _SEPARATE_MASKS.reset(token)
+
+
+def stores_lossily() -> bool:
+    """Whether the forward running now is under zoomem's saved-tensor store (:func:`separate_masks`), where saved
+    floats may be rounded: functions then save tensors that rounding perturbs only a little."""
+    return _SEPARATE_MASKS.get()
 
 
 def _save_mask(ctx: Any, mask: torch.Tensor) -> None:
@@ -1034,3 +1050,40 @@ def conv2d(
     if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return y
     return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pointwise functions kept as their input, recomputed in backward
+
+
+class _RecomputedPointwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn):  # type: ignore[override]
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        create = torch.is_grad_enabled()
+        xi = x if create else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.fn(xi)
+        (gx,) = torch.autograd.grad(y, xi, grad, create_graph=create)
+        return gx, None
+
+
+def recompute_pointwise(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` saving only ``x``: backward runs ``fn`` once more on ``x`` and differentiates it.
+
+    For elementwise functions written as several ops (``0.5 * x * (1 + tanh(...))`` saves ``x``, ``x ** 3``'s
+    input, the tanh output and more); ``fn`` must be deterministic and must not modify ``x``. The output is
+    bitwise ``fn(x)`` and the gradient bitwise autograd's, at the price of one more evaluation of ``fn``.
+
+    >>> x = torch.randn(4, requires_grad=True)
+    >>> y = recompute_pointwise(lambda t: t * torch.sigmoid(1.702 * t), x)
+    """
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return fn(x)
+    return _RecomputedPointwise.apply(x, fn)

@@ -28,14 +28,19 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as Zf
+from .attention import attention_applies, attention_forward
+from .loss import routed_loss
 
 __all__ = [
     "Impl",
     "IMPLS",
+    "POINTWISE",
     "register_impl",
+    "register_pointwise",
     "impls_for",
     "install_impl",
     "installed_impl",
+    "set_attribute",
     "find_inplace_writers",
 ]
 
@@ -61,6 +66,9 @@ class Impl:
         wraps_original: ``forward`` is called as ``forward(module, original_forward, *args, **kwargs)`` and
             changes the inputs of the module's current forward rather than replacing it (PyG message passing
             through a sparse adjacency); such an implementation may sit on a unit itself, outside its plan.
+        attribute: the instance attribute it replaces: ``"forward"``, or another callable the module calls (HF's
+            ``loss_function``), set through the class's property setter where there is one; ``forward`` is then
+            called as with ``wraps_original``, with the attribute's previous value.
     """
 
     name: str
@@ -69,6 +77,12 @@ class Impl:
     applies: Callable[[nn.Module], bool] = _always
     doc: str = ""
     wraps_original: bool = False
+    attribute: str = "forward"
+
+    @property
+    def wraps(self) -> bool:
+        """``forward`` receives the replaced callable as its second argument."""
+        return self.wraps_original or self.attribute != "forward"
 
     def matches(self, module: nn.Module) -> bool:
         """Whether this implementation may replace ``module``'s forward."""
@@ -104,9 +118,33 @@ def impls_for(module: nn.Module) -> list[Impl]:
 _MARK = "__zoomem_impl__"
 
 
-def installed_impl(module: nn.Module) -> Impl | None:
-    """The Impl installed on ``module`` by :func:`install_impl`, or None."""
-    return getattr(module.__dict__.get("forward"), _MARK, None)
+def installed_impl(module: nn.Module, attribute: str = "forward") -> Impl | None:
+    """The Impl installed on ``module``'s ``attribute`` by :func:`install_impl`, or None."""
+    value = module.__dict__.get("forward") if attribute == "forward" else getattr(module, attribute, None)
+    return getattr(value, _MARK, None)
+
+
+def set_attribute(module: nn.Module, name: str, value: Any) -> Callable[[], None]:
+    """``setattr(module, name, value)`` (through a property setter if the class has one); returns the undo, which
+    puts the instance's ``__dict__`` entries back exactly as they were (HF's ``loss_function`` setter stores into
+    ``_loss_function``, whose absence means "the loss of ``config.loss_type``")."""
+    before = dict(module.__dict__)
+    setattr(module, name, value)
+    changed = [k for k, v in module.__dict__.items() if k not in before or before[k] is not v]
+
+    def undo() -> None:
+        if getattr(module, name, None) is not value:
+            raise RuntimeError(
+                f"Cannot undo zoomem's {name!r} on this {type(module).__name__}: it was replaced again since; undo "
+                "the later change first."
+            )
+        for k in changed:
+            if k in before:
+                module.__dict__[k] = before[k]
+            else:
+                module.__dict__.pop(k, None)
+
+    return undo
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -123,7 +161,7 @@ def dispatch_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *
     """Run ``impl`` in training when something needs a gradient, else the module's ``original`` forward."""
     if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
         return original(*args, **kwargs)
-    if impl.wraps_original:
+    if impl.wraps:
         return impl.forward(module, original, *args, **kwargs)
     return impl.forward(module, *args, **kwargs)
 
@@ -153,7 +191,7 @@ def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
         if impl not in IMPLS:
             raise KeyError(f"Unknown implementation {impl!r}; registered: {sorted(IMPLS)}.")
         impl = IMPLS[impl]
-    current = installed_impl(module)
+    current = installed_impl(module, impl.attribute)
     if current is not None:
         raise ValueError(
             f"{type(module).__name__} already runs the implementation {current.name!r}; call the undo function "
@@ -164,10 +202,12 @@ def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
             f"Implementation {impl.name!r} does not apply to this {type(module).__name__}; applicable: "
             f"{[i.name for i in impls_for(module)]}."
         )
+    wrapper = functools.partial(dispatch_impl, module, impl, getattr(module, impl.attribute))
+    setattr(wrapper, _MARK, impl)
+    if impl.attribute != "forward":
+        return set_attribute(module, impl.attribute, wrapper)
     had_instance_forward = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    wrapper = functools.partial(dispatch_impl, module, impl, module.forward)
-    setattr(wrapper, _MARK, impl)
     module.__dict__["forward"] = wrapper
 
     def undo() -> None:
@@ -359,6 +399,52 @@ def _conv_applies(m: nn.Module) -> bool:
     )
 
 
+POINTWISE: dict[str, str] = {
+    f"transformers.activations.{name}": "transformers"
+    for name in ("NewGELUActivation", "FastGELUActivation", "QuickGELUActivation", "AccurateGELUActivation",
+                 "ClippedGELUActivation", "SqrtSoftplusActivation")
+}
+"""Qualified class name -> zoo of the parameterless elementwise activations written as several ops (each saving
+its own intermediate), which ``pointwise_recompute`` keeps as their input. Those that save one tensor already
+(``nn.GELU``, ``nn.SiLU``, HF's ``GELUActivation``, ``relu2``, ``laplace``) are not listed: recomputing them
+would cost time and save nothing."""
+POINTWISE.update({"timm.layers.activations.QuickGELU": "timm", "timm.layers.activations.Swish": "timm"})
+
+
+def register_pointwise(cls: type, zoo: str = "user") -> type:
+    """Make ``pointwise_recompute`` apply to the elementwise activation module ``cls`` (its forward must be a
+    deterministic function of its one input that does not modify it); returns ``cls`` (a decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_pointwise expects an nn.Module subclass, got {cls!r}.")
+    POINTWISE[f"{cls.__module__}.{cls.__qualname__}"] = zoo
+    return cls
+
+
+def _pointwise_applies(m: nn.Module) -> bool:
+    cls = type(m)
+    return (f"{cls.__module__}.{cls.__qualname__}" in POINTWISE and not any(True for _ in m.parameters())
+            and not getattr(m, "inplace", False))
+
+
+def _pointwise_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = type(m).forward
+    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+        return forward(m, *args, **kwargs)
+    return Zf.recompute_pointwise(functools.partial(forward, m), args[0])
+
+
+def _lm_loss_applies(m: nn.Module) -> bool:
+    """An HF model with an LM head (output embeddings), whose ``loss_function`` is a cross-entropy over the
+    vocabulary."""
+    mu = sys.modules.get("transformers.modeling_utils")
+    if mu is None or not isinstance(m, mu.PreTrainedModel):
+        return False
+    try:
+        return m.get_output_embeddings() is not None
+    except Exception:  # noqa: BLE001 - a model without the accessor has no LM head we know of
+        return False
+
+
 def _register_builtin() -> None:
     for impl in (
         Impl("relu_bitmask", (nn.ReLU,), _relu_forward, _own_forward(nn.ReLU),
@@ -394,6 +480,18 @@ def _register_builtin() -> None:
              "backward peak by |input| when the input is held by this layer alone. Bitwise gradients."),
         Impl("conv2d_split_backward", (nn.Conv2d,), _conv_forward, _conv_applies,
              "Conv2d (zeros padding, numeric) with the split backward of linear_split_backward. Bitwise on CPU."),
+        Impl("pointwise_recompute", (nn.Module,), _pointwise_forward, _pointwise_applies,
+             "Elementwise activations written as several ops (POINTWISE: HF gelu_new / gelu_fast / quick_gelu, ...) "
+             "saving only their input and recomputed in backward: 1 input-sized tensor instead of 2-4. Bitwise."),
+        Impl("attention_recompute", (nn.Module,), attention_forward, attention_applies,
+             "Attention layers (kind='attention') whose F.scaled_dot_product_attention runs on the math path (CPU "
+             "with dropout): saves q, k, v and a 1-bit dropout mask instead of three N x N tensors, recomputing "
+             "q k^T and the softmax in backward. Bitwise.", wraps_original=True),
+        Impl("cross_entropy_logits", (nn.Module,), routed_loss,
+             _lm_loss_applies,
+             "HF LM heads: the loss_function's F.cross_entropy keeps the logits (the model's output) instead of "
+             "the log-probabilities, and its backward allocates one logits-sized tensor instead of three. Loss "
+             "bitwise, gradients ~1e-7 relative.", attribute="loss_function"),
     ):
         register_impl(impl)
 

@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, find_inplace_writers, impls_for, install_impl
-from ..ops.impls import dispatch_impl
+from ..ops.impls import dispatch_impl, set_attribute
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
@@ -47,14 +47,18 @@ def choose_impls(
         for name, mod in unit.module.named_modules():
             impls = impls_for(mod) if owners.get(id(mod)) == {unit.name} else []
             if mod is unit.module:  # the unit's own forward runs the plan: only input-changing impls go on it
-                impls = [i for i in impls if i.wraps_original]
+                impls = [i for i in impls if i.wraps]
             if impls:
                 full = f"{unit.name}.{name}" if unit.name else name
                 candidates.setdefault(unit.name, []).append((full, mod, impls[0]))
     if outside:
         for path, mod in model.named_modules():
-            impls = [i for i in impls_for(mod) if i.wraps_original or mod is not model]
-            if mod is not model and owners.get(id(mod)) == {""} and impls:
+            if owners.get(id(mod)) != {""}:
+                continue
+            impls = impls_for(mod)
+            if mod is model:  # its forward is zoomem's: only implementations of another attribute (loss_function)
+                impls = [i for i in impls if i.attribute != "forward"]
+            if impls:
                 candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls[0]))
     writers: dict[str, list[str]] = {}
     if any(impl.name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impl in pairs):
@@ -83,7 +87,11 @@ def install_switched(
     undos = []
     for unit, pairs in chosen.items():
         for mod, impl in pairs:
-            undos.append(set_forward(mod, functools.partial(_switched, unit, is_on, mod, impl, mod.forward)))
+            switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
+            if impl.attribute == "forward":
+                undos.append(set_forward(mod, switched))
+            else:
+                undos.append(set_attribute(mod, impl.attribute, switched))
     return undos
 
 

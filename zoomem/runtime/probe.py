@@ -39,14 +39,16 @@ _COMPARISONS = (
 )
 _RECIPROCALS = ("LogBackward0", "Log1pBackward0", "SqrtBackward0", "PowBackward0", "PowBackward1",
                 "PowBackward2")
+_EXPONENTIALS = ("LogSoftmaxBackward0", "LogsumexpBackward0")
 EXACT_READS: dict[str, tuple[str, ...] | None] = {
-    **{name: None for name in _COMPARISONS + _RECIPROCALS},
+    **{name: None for name in _COMPARISONS + _RECIPROCALS + _EXPONENTIALS},
     "DivBackward0": ("_saved_other",),
 }
 """Autograd nodes (and which of their saved tensors; ``None``: all) whose backward reads a saved value through a
-comparison (a ReLU's mask from its output) or a reciprocal (a softmax denominator): there rounding is not a small
-perturbation (a flipped comparison, a near-zero divisor), a first-order sensitivity cannot see it, so these
-tensors stay exact."""
+comparison (a ReLU's mask from its output), a reciprocal (a softmax denominator) or an exponential (log-softmax's
+backward is ``g - exp(out) * sum(g)``: rounding a log-probability by a fraction of its group's range, several
+units over a vocabulary, multiplies the softmax by up to ``e`` to that, and not unbiasedly): there rounding is not a
+small perturbation, a first-order sensitivity cannot see it, so these tensors stay exact."""
 
 _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
     # x ** e with e >= 1 (GPT-2's GELU cubes its input) has the bounded derivative e * x ** (e - 1): no reciprocal
@@ -80,7 +82,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
             for i in own:
                 key = by_id.get(ident(tensors[i]))
                 if key is not None and store.infos[key].lossy is None:
-                    store.infos[key].lossy = f"read through a comparison ({name})"
+                    store.infos[key].lossy = f"read through a comparison or exponential ({name})"
                     marked += 1
             continue
         if name not in EXACT_READS or (name in _EXACT_UNLESS and _EXACT_UNLESS[name](node)):
@@ -92,7 +94,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
             value = getattr(node, attr, None)
             key = by_id.get(ident(value)) if isinstance(value, torch.Tensor) else None
             if key is not None and store.infos[key].lossy is None:
-                store.infos[key].lossy = f"read through a comparison or reciprocal ({name})"
+                store.infos[key].lossy = f"read through a comparison, reciprocal or exponential ({name})"
                 marked += 1
     return marked
 

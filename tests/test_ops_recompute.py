@@ -1,0 +1,349 @@
+"""zoomem.ops: the implementations that keep an op's inputs and recompute the rest in backward (SDPA's math path,
+multi-op activations, an LM head's cross-entropy), against the stock ops (CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import pickle
+from typing import Any, Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from zoomem.ops import attention as A
+from zoomem.ops import functional as Zf
+from zoomem.ops.impls import IMPLS, impls_for, install_impl, installed_impl
+from zoomem.ops.loss import CrossEntropy, cross_entropy, route_cross_entropy
+
+transformers = pytest.importorskip("transformers")
+
+
+def saved_storage_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` and sum the bytes of the storages autograd saves (each once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention: SDPA's math path keeping q, k, v
+
+
+def _attention_inputs(mask: str, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], dict]:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen, dtype=dtype).requires_grad_(True) for _ in range(3))
+    if mask == "hf_layout":  # q, k, v as transposed views of one projection's output, as HF's layers pass them
+        qkv = torch.randn(2, 16, 3, 3, 8, generator=gen, dtype=dtype).requires_grad_(True)
+        return [t for t in (qkv * 1).permute(2, 0, 3, 1, 4)], {}
+    kw: dict = {}
+    if mask == "float":
+        m = torch.zeros(2, 1, 1, 16, dtype=dtype)
+        m[0, ..., -3:] = torch.finfo(dtype).min
+        kw["attn_mask"] = m
+    elif mask == "bool":
+        m = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+        m[1, ..., :2] = False
+        m[1, 0, 3, :] = False  # a row that attends to nothing: _safe_softmax gives it 0
+        kw["attn_mask"] = m
+    elif mask == "causal":
+        kw["is_causal"] = True
+    elif mask == "scale":
+        kw["scale"] = 0.3
+    return [q, k, v], kw
+
+
+def _sdpa(routed: bool, qkv: list[torch.Tensor], kw: dict, dropout_p: float,
+          stored: bool = False) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    ctx = A.recompute_attention() if routed else contextlib.nullcontext()
+    with ctx, Zf.separate_masks() if stored else contextlib.nullcontext():
+        out, saved = saved_storage_bytes(lambda: F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p, **kw))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    grads = torch.autograd.grad(out, qkv, g)
+    return out, *grads, torch.rand(3), torch.tensor(saved)
+
+
+@pytest.mark.parametrize("mask", ["none", "float", "bool", "causal", "scale", "hf_layout"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("stored", [False, True], ids=["exact", "under_store"])
+def test_math_attention_is_the_stock_math_path(mask: str, dropout_p: float, stored: bool) -> None:
+    """Output, gradients and the RNG stream after it bitwise as the stock math path (forced for dropout 0, where
+    the CPU would run its flash kernel). What it saves: q, k, v and a 1-bit dropout mask; under zoomem's store the
+    softmax too (what rounding may touch); the stock path saves the scaled q and k and three N x N tensors."""
+    qkv, kw = _attention_inputs(mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = _sdpa(False, qkv, kw, dropout_p, stored)
+        ours = _sdpa(True, qkv, kw, dropout_p, stored)
+    assert all(torch.equal(a, b) for a, b in zip(ref[:5], ours[:5]))
+    qkv_bytes = 3 * qkv[0].nbytes
+    mask_bytes = kw["attn_mask"].nbytes if "attn_mask" in kw and not stored else 0
+    n2 = 2 * 3 * 16 * 16 * 4  # one N x N fp32 tensor
+    assert int(ours[5]) <= qkv_bytes + mask_bytes + (n2 if stored else 0) + n2 // 32 + 64
+    assert int(ref[5]) >= 2 * qkv_bytes // 3 + (3 if dropout_p else 1) * n2
+
+
+def test_math_attention_routes_only_the_math_path() -> None:
+    """Calls that would run a fused kernel (CPU flash without dropout), without a gradient, under autocast or with
+    grouped-query expansion run as they are."""
+    qkv, _ = _attention_inputs("none")
+    name = lambda out: out.grad_fn.name() if out.grad_fn is not None else None  # noqa: E731
+    with A.recompute_attention():
+        assert name(F.scaled_dot_product_attention(*qkv, dropout_p=0.1)) == "MathAttentionBackward"
+        assert name(F.scaled_dot_product_attention(*qkv)) == "ScaledDotProductFlashAttentionForCpuBackward0"
+        with torch.no_grad():
+            assert name(F.scaled_dot_product_attention(*qkv, dropout_p=0.1)) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert name(F.scaled_dot_product_attention(*qkv, dropout_p=0.1)) != "MathAttentionBackward"
+        out = F.scaled_dot_product_attention(*qkv, dropout_p=0.1, enable_gqa=True)
+        assert name(out) != "MathAttentionBackward"
+        half = [t.detach().bfloat16().requires_grad_() for t in qkv]  # aten upcasts on CPU: not our forward
+        assert name(F.scaled_dot_product_attention(*half, dropout_p=0.1)) != "MathAttentionBackward"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu_dropout", "native_dropout"])
+@pytest.mark.parametrize("mask", ["none", "float", "causal"])
+@pytest.mark.parametrize("stored", [False, True], ids=["exact", "under_store"])
+def test_math_attention_gradgradcheck(fused: bool, mask: str, stored: bool) -> None:
+    """Twice differentiable in float64 (with the same dropout mask on every evaluation), through CPU's dropout and
+    through native_dropout (what CUDA's math path runs), and the native_dropout path draws like aten."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3, generator=gen, dtype=torch.float64).requires_grad_(True) for _ in range(3))
+    kw = {"attn_mask": torch.randn(1, 1, 5, 5, dtype=torch.float64, generator=gen)} if mask == "float" else {}
+    kw.update({"is_causal": True} if mask == "causal" else {})
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        torch.manual_seed(3)
+        with A.recompute_attention(), Zf.separate_masks() if stored else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, **kw)
+        assert out.grad_fn.name() == "MathAttentionBackward"
+        return out
+
+    with mock.patch.object(A, "_fused_dropout_device", lambda t: fused):
+        assert torch.autograd.gradcheck(f, (q, k, v))
+        assert torch.autograd.gradgradcheck(f, (q, k, v))
+        if fused:
+            out = f(q, k, v)
+            scores = q @ k.transpose(-2, -1) / 3**0.5 + kw.get("attn_mask", 0)
+            if mask == "causal":
+                scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+            torch.manual_seed(3)
+            torch.testing.assert_close(out, torch.native_dropout(torch.softmax(scores, -1), 0.3, True)[0] @ v)
+
+
+def test_attention_impl_applies_to_the_innermost_attention_layer() -> None:
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    from zoomem.adapters.registry import get_adapter
+
+    bert = BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32))
+    gpt2 = GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    for m in (bert, gpt2):
+        get_adapter(m)  # registers the *Attention classes
+    names = lambda m: [i.name for i in impls_for(m)]  # noqa: E731
+    assert "attention_recompute" in names(bert.encoder.layer[0].attention.self)
+    assert "attention_recompute" not in names(bert.encoder.layer[0].attention)  # it holds the one above
+    assert "attention_recompute" in names(gpt2.h[0].attn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multi-op pointwise activations, recomputed
+
+
+def _hf_act(name: str) -> nn.Module:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "quick_gelu", "gelu_accurate", "gelu_10", "sqrtsoftplus"])
+def test_pointwise_recompute_is_bitwise_and_saves_only_the_input(act: str) -> None:
+    module = _hf_act(act)
+    assert [i.name for i in impls_for(module)] == ["pointwise_recompute"]
+    x0 = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    g = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    res = []
+    for compact in (False, True):
+        m = copy.deepcopy(module)
+        if compact:
+            install_impl(m, "pointwise_recompute")
+        x = x0.clone().requires_grad_(True)
+        y, saved = saved_storage_bytes(lambda: m(x * 1))  # x * 1: a non-leaf input, as inside a model
+        (gx,) = torch.autograd.grad(y, x, g)
+        res.append((y, gx, saved))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert res[1][2] == x0.nbytes < res[0][2]
+
+
+def test_pointwise_recompute_gradgradcheck_and_double_backward_reaches_its_input() -> None:
+    fn = _hf_act("gelu_new").forward
+    x = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda t: Zf.recompute_pointwise(fn, t), (x,))
+    h = x * 2
+    y = Zf.recompute_pointwise(fn, h)
+    (gh,) = torch.autograd.grad(y.sum(), h, create_graph=True)
+    (gx,) = torch.autograd.grad(gh.sum(), x)  # through the saved input's history
+    (ref,) = torch.autograd.grad(torch.autograd.grad(fn(x * 2).sum(), x, create_graph=True)[0].sum() / 2, x)
+    torch.testing.assert_close(gx, ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cross-entropy keeping the logits
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_matches_stock(reduction: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits0 = torch.randn(12, 50, generator=gen) * 4
+    target = torch.randint(0, 50, (12,), generator=gen)
+    target[[2, 7]] = -100
+    grads, losses = [], []
+    for ours in (False, True):
+        logits = logits0.clone().requires_grad_(True)
+        fn = cross_entropy if ours else F.cross_entropy
+        loss, saved = saved_storage_bytes(lambda: fn(logits, target, ignore_index=-100, reduction=reduction))
+        w = torch.arange(1, 13, dtype=torch.float32) if reduction == "none" else torch.tensor(2.0)
+        (g,) = torch.autograd.grad(loss, logits, w)
+        grads.append(g)
+        losses.append(loss)
+        if ours:  # the logits and the targets, nothing the size of the logits besides
+            assert saved == logits.nbytes + target.nbytes
+    assert torch.equal(losses[0], losses[1])
+    assert rel(grads[1], grads[0]) < 1e-6
+    assert grads[1][[2, 7]].abs().sum() == 0
+
+
+def test_cross_entropy_gradgradcheck() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, dtype=torch.float64, generator=gen).requires_grad_(True)
+    target = torch.tensor([1, -100, 6, 0, 3])
+    for reduction in ("mean", "none"):
+        f = lambda x: cross_entropy(x, target, reduction=reduction)  # noqa: E731
+        assert torch.autograd.gradcheck(f, (logits,)) and torch.autograd.gradgradcheck(f, (logits,))
+
+
+def test_cross_entropy_routes_only_what_it_computes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, generator=gen, requires_grad=True)
+    target = torch.randint(0, 9, (6,), generator=gen)
+    name = lambda loss: loss.grad_fn.name()  # noqa: E731
+    with route_cross_entropy():
+        assert name(F.cross_entropy(logits, target)) == "CrossEntropyBackward"
+        assert name(nn.CrossEntropyLoss()(logits, target)) == "CrossEntropyBackward"
+        for kw in ({"weight": torch.rand(9)}, {"label_smoothing": 0.1}):
+            assert name(F.cross_entropy(logits, target, **kw)) != "CrossEntropyBackward"
+        assert name(F.cross_entropy(logits[None].transpose(1, 2), target[None])) != "CrossEntropyBackward"
+        assert name(F.cross_entropy(logits, torch.softmax(logits.detach(), 1))) != "CrossEntropyBackward"
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        cross_entropy(logits, target, reduction="avg")
+
+
+def test_cross_entropy_lowers_the_loss_backward_peak() -> None:
+    from zoomem.measure import MemoryMeter
+
+    peaks = []
+    for ours in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        logits = torch.randn(256, 4096, generator=gen, requires_grad=True)  # 4 MiB
+        target = torch.randint(0, 4096, (256,), generator=gen)
+        with MemoryMeter(logits) as meter:
+            loss = (cross_entropy if ours else F.cross_entropy)(logits, target)
+            meter.mark("forward")
+            loss.backward()
+            meter.mark("backward")
+        peaks.append((meter.report.activation_bytes, meter.report.peak_bytes - meter.report.baseline_bytes))
+    (held0, peak0), (held1, peak1) = peaks
+    assert held0 - held1 >= 0.95 * logits.nbytes  # no log-probabilities held
+    assert peak0 - peak1 >= 1.9 * logits.nbytes  # nor nll_loss's dense gradient at the backward
+
+
+def test_cross_entropy_impl_goes_on_hf_loss_function_and_comes_off_exactly() -> None:
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    bert = BertForSequenceClassification(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                                    intermediate_size=32))
+    assert "cross_entropy_logits" in [i.name for i in impls_for(gpt2)]
+    assert "cross_entropy_logits" not in [i.name for i in impls_for(bert)]
+    before = dict(gpt2.__dict__)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = gpt2(input_ids=ids, labels=ids)
+    undo = install_impl(gpt2, "cross_entropy_logits")
+    assert installed_impl(gpt2, "loss_function") is IMPLS["cross_entropy_logits"]
+    pickle.loads(pickle.dumps(gpt2))
+    torch.manual_seed(0)
+    out = gpt2(input_ids=ids, labels=ids)
+    assert out.loss.grad_fn.name() == "CrossEntropyBackward"
+    assert torch.equal(out.loss, ref.loss)
+    undo()
+    assert gpt2.__dict__.keys() == before.keys() and "_loss_function" not in gpt2.__dict__
+    buf = io.BytesIO()
+    torch.save(gpt2.state_dict(), buf)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a lossy store may round: values read through exp() stay exact
+
+
+class _Tiny(nn.Module):
+    """Attention with dropout (through zoomem's math-path attention when ``routed``), a GELU written as several ops
+    and a vocabulary-sized log-softmax: what an LM saves, small."""
+
+    def __init__(self, routed: bool) -> None:
+        super().__init__()
+        self.qkv, self.head, self.routed = nn.Linear(32, 96), nn.Linear(32, 512), routed
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(8, 64, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        with A.recompute_attention() if self.routed else contextlib.nullcontext():
+            h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1).transpose(1, 2).reshape(8, 64, 32)
+        logits = self.head(_hf_act("gelu_new")(h)).reshape(-1, 512)
+        with route_cross_entropy() if self.routed else contextlib.nullcontext():
+            return F.cross_entropy(logits, target)  # inside the forward, as an HF LM head computes it
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["stock", "zoomem"])
+def test_values_read_through_exp_stay_exact(routed: bool) -> None:
+    """Log-softmax's output (stock) and the logits (zoomem's cross-entropy) are never rounded."""
+    import zoomem
+
+    torch.manual_seed(0)
+    model, x = _Tiny(routed), torch.randn(8, 64, 32)
+    target = torch.randint(0, 512, (8 * 64,))
+    plan = zoomem.plan(model, (x, target), level="L1.2", loss_fn=lambda out, b: out)
+    reasons = {tuple(d["shape"]): d["lossy"] for d in plan.saved if "duplicate" not in (d["lossy"] or "")}
+    if routed:  # the logits stay exact; under the store the attention saves the softmax (and q, k, v) to round
+        assert "CrossEntropyBackward" in reasons[(512, 512)]
+        assert reasons[(8, 2, 64, 64)] is None and reasons[(8, 2, 64, 16)] is None
+    else:  # log_softmax's output is read through exp() by its backward
+        assert "LogSoftmaxBackward0" in reasons[(512, 512)]
+    assert plan.bits  # the rest is stored in 2 bits
+
+
+def test_recomputing_attention_marks_q_and_k_exact() -> None:
+    """Outside the store (exact storage) the attention recomputes the softmax from q and k: it declares them read
+    through exp(), so a store that met this node would keep them exact."""
+    qkv, _ = _attention_inputs("none")
+    with A.recompute_attention():
+        out = F.scaled_dot_product_attention(*qkv, dropout_p=0.1)
+    assert out.grad_fn.exact_reads == (0, 1)
+    with A.recompute_attention(), Zf.separate_masks():
+        out = F.scaled_dot_product_attention(*qkv, dropout_p=0.1)
+    assert out.grad_fn.exact_reads == ()
