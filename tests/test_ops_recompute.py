@@ -21,25 +21,14 @@ from zoomem.ops import functional as Zf
 from zoomem.ops.impls import IMPLS, impls_for, install_impl, installed_impl
 from zoomem.ops.loss import CrossEntropy, cross_entropy, route_cross_entropy
 
+from test_ops import rel, saved_bytes  # noqa: E402  (tests/ is on sys.path under pytest)
+
 transformers = pytest.importorskip("transformers")
 
 
 def saved_storage_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn`` and sum the bytes of the storages autograd saves (each once)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return saved_bytes(fn, exclude=nn.Module())
 
 
 # ----------------------------------------------------------------------------------------------------------------

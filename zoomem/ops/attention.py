@@ -1,4 +1,10 @@
-"""Scaled dot-product attention on CPU whose backward can itself be differentiated (for the sensitivity probe).
+"""Scaled dot-product attention: a math path that keeps less for backward, and a CPU flash path whose backward can
+itself be differentiated (for the sensitivity probe).
+
+:class:`MathAttention` is PyTorch's math path (what ``F.scaled_dot_product_attention`` runs on CPU whenever
+attention dropout is on) keeping ``q, k, v`` and a 1-bit dropout mask instead of three N x N tensors, with
+bitwise the stock gradients; :class:`recompute_attention` routes SDPA calls through it inside a ``with`` block,
+and the ``attention_recompute`` implementation (:mod:`zoomem.ops.impls`) puts that around attention layers.
 
 PyTorch's CPU flash-attention kernel (what ``F.scaled_dot_product_attention`` runs for timm's ViT, HF's ViT and
 Llama on CPU) saves only ``q, k, v``, the output and the row log-sum-exp, but its backward has no derivative
@@ -18,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .functional import _fused_dropout_device, _kernel_value, stores_lossily
 from .packbits import pack_bool, unpack_bool
+from .routing import RoutingMode
 
 __all__ = ["FlashAttentionCpu", "MathAttention", "differentiable_attention", "recompute_attention"]
 
@@ -89,7 +95,7 @@ def _bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
 
 
-class differentiable_attention(TorchFunctionMode):
+class differentiable_attention(RoutingMode):
     """Inside the block, ``F.scaled_dot_product_attention`` calls that PyTorch would run on the CPU flash kernel
     (CPU tensors needing a gradient, no dropout, no grouped-query expansion) run :class:`FlashAttentionCpu`:
     the same values and saved tensors, and a backward that a second backward can go through. Other calls run
@@ -99,17 +105,10 @@ class differentiable_attention(TorchFunctionMode):
     ...     loss = model(x).sum()
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            routed = self._route(*args, **kwargs)
-            if routed is not None:
-                return routed
-        return func(*args, **kwargs)
+    target = staticmethod(F.scaled_dot_product_attention)
 
-    @staticmethod
-    def _route(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    def route(self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         tensors = (query, key, value)
         if (enable_gqa or dropout_p != 0.0 or not all(isinstance(t, torch.Tensor) for t in tensors)
                 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
@@ -313,7 +312,7 @@ def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: to
     return gq, gk, gv
 
 
-class recompute_attention(TorchFunctionMode):
+class recompute_attention(RoutingMode):
     """Inside the block, ``F.scaled_dot_product_attention`` calls that PyTorch would run on its math path (on CPU:
     whenever attention dropout is on, as in training BERT or GPT-2) run :class:`MathAttention`: the same values
     and gradients, without keeping the three N x N tensors between forward and backward. Calls that go to a
@@ -321,17 +320,10 @@ class recompute_attention(TorchFunctionMode):
     log-sum-exp already), in half precision, under autocast, with grouped-query expansion or without a gradient run
     as they are."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            routed = self._route(*args, **kwargs)
-            if routed is not None:
-                return routed
-        return func(*args, **kwargs)
+    target = staticmethod(F.scaled_dot_product_attention)
 
-    @staticmethod
-    def _route(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    def route(self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         tensors = (query, key, value)
         if (enable_gqa or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in tensors)
                 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)

@@ -133,11 +133,10 @@ def set_attribute(module: nn.Module, name: str, value: Any) -> Callable[[], None
     changed = [k for k, v in module.__dict__.items() if k not in before or before[k] is not v]
 
     def undo() -> None:
-        if getattr(module, name, None) is not value:
-            raise RuntimeError(
-                f"Cannot undo zoomem's {name!r} on this {type(module).__name__}: it was replaced again since; undo "
-                "the later change first."
-            )
+        if getattr(module, name, None) is not value:  # replaced again since: keep that (zoomem's passes through)
+            warnings.warn(f"zoomem: the {name} of this {type(module).__name__} was replaced after zoomem's; it is "
+                          "left in place.", stacklevel=2)
+            return
         for k in changed:
             if k in before:
                 module.__dict__[k] = before[k]

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+
+from .routing import RoutingMode
 
 __all__ = ["CrossEntropy", "route_cross_entropy", "cross_entropy"]
 
@@ -75,20 +76,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     return CrossEntropy.apply(logits, target, int(ignore_index), reduction)
 
 
-class route_cross_entropy(TorchFunctionMode):
+class route_cross_entropy(RoutingMode):
     """Inside the block, eligible ``F.cross_entropy`` calls run :func:`cross_entropy`; others run as they are."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.cross_entropy:
-            routed = self._route(*args, **kwargs)
-            if routed is not None:
-                return routed
-        return func(*args, **kwargs)
+    target = staticmethod(F.cross_entropy)
 
-    @staticmethod
-    def _route(input: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
-               reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+    def route(self, input: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
+              reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
         if (weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
                 or reduction not in _REDUCTIONS or not isinstance(input, torch.Tensor)
                 or not isinstance(target, torch.Tensor) or input.dim() != 2 or target.dim() != 1
