@@ -392,3 +392,31 @@ def test_a_nodes_lossy_tensors_come_back_together() -> None:
     plan = _plan(model)
     assert plan.bits and plan.extras["measured_peak_bytes"] <= plan.budget_bytes
     assert abs(plan.predicted_peak_bytes - plan.extras["measured_peak_bytes"]) <= 0.02 * plan.predicted_peak_bytes
+
+
+def test_compress_auto_falls_back_to_a_lossless_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the combined program finds no plan (it counts the compact forms as they run under the store, which hold
+    more; here forced to find none) a lossless plan that fits is used, and below both minimums the error names the
+    lower one."""
+    import importlib
+
+    W = importlib.import_module("zoomem.runtime.wrap")  # the module (zoomem.runtime.wrap is also the function)
+    real = W.make_plan
+
+    def combined_finds_nothing(costs, budget_bytes, *args, compress=None, **kwargs):  # type: ignore[no-untyped-def]
+        if compress is not None:
+            raise zoomem.InfeasibleBudgetError("the combined program found nothing", 1 << 40)
+        return real(costs, budget_bytes, *args, compress=compress, **kwargs)
+
+    monkeypatch.setattr(W, "make_plan", combined_finds_nothing)
+    model, adapter, batch = small("hf/bert-base-uncased", seed=0, batch_size=16)
+    zoomem.wrap(model, budget=0.8, compress="auto", batch=batch)
+    plan = _plan(model)
+    assert not plan.bits and any(u.compact or u.decision != zoomem.Decision.KEEP for u in plan.units)
+    assert plan.extras["measured_peak_bytes"] <= plan.budget_bytes
+    loss = adapter.loss(model, batch, batch.call(model))  # runs as a lossless plan: no store
+    loss.backward()
+    zoomem.unwrap(model)
+    with pytest.raises(zoomem.InfeasibleBudgetError) as info:
+        zoomem.plan(model, batch, 0.05, compress="auto", adapter=adapter)
+    assert "combined program" not in str(info.value) and info.value.min_budget < plan.budget_bytes

@@ -35,8 +35,10 @@ BERT = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermed
             max_position_embeddings=64)
 BATCH, SEQ = 8, 64
 K = 2  # steps before save_state
-LOSSLESS = 0.7  # of plain PyTorch's peak: the planner recomputes the first of the two layers (at 0.8 compact forms do)
-AUTO = 0.62  # below what recomputation alone reaches (0.65): the ILP also stores tensors in fewer bits
+LOSSLESS = 0.62  # of plain PyTorch's peak: only plans that recompute a layer fit (keeping both with their compact
+# forms needs 0.76, recomputing one without them 0.64: both must stay out, or timing noise picks between them)
+AUTO = 0.6  # the ILP stores tensors in fewer bits rather than recompute a layer
+LOSSLESS_BF16 = 0.8  # under bf16 autocast the attention runs as it is (zoomem's keeps fp32 only): 0.62 does not fit
 
 
 def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -171,7 +173,7 @@ def bf16(out: dict[str, Any]) -> None:
     """bf16 autocast, 2-step gradient accumulation (no_sync on the first) and clip_grad_norm_, plain, with a
     lossless budget and with L2: losses finite, synced gradients and clipped norms close to plain's."""
     runs = {}
-    for name, kw in (("plain", None), ("lossless", {"budget": LOSSLESS}), ("L2", {"level": "L2"})):
+    for name, kw in (("plain", None), ("lossless", {"budget": LOSSLESS_BF16}), ("L2", {"level": "L2"})):
         acc = fresh_accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
         model, opt = setup(acc, "plain" if kw is None else "helper", **(kw or {}))
         torch.manual_seed(1234 + acc.process_index)

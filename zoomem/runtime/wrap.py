@@ -371,6 +371,22 @@ def _make(
             new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
+
+    def lossless_instead(err: InfeasibleBudgetError) -> Plan:
+        """``compress="auto"`` covers every lossless plan, but its program counts the compact forms as they run
+        under the store (BatchNorm's xhat and mask, attention's softmax: more than the plain forms hold), so near
+        the lossless minimum it may find none: then plan without the store, and name the lower minimum."""
+        if compress is None or budget_bytes is None:
+            raise err
+        try:
+            plan = _make(model, batch, budget_bytes, strategy, adapter, optimizer, loss_fn, time_limit,
+                         graph=graph if scale is None else None, trace_batch_size=trace_batch_size)
+        except InfeasibleBudgetError as lossless_err:
+            raise (lossless_err if lossless_err.min_budget < err.min_budget else err) from None
+        logger.info("zoomem: no plan storing tensors in fewer bits fits %.1f MiB; a lossless one does",
+                    budget_bytes / _MIB)
+        return plan
+
     margin, unmet = SAFETY_MARGIN, None
     try:
         new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
@@ -378,12 +394,12 @@ def _make(
         # the margin covers an unmeasured prediction; this path measures, so a plan predicted within the budget
         # itself gets its chance (the last percent is a batch or two at a device's limit)
         if not verified:
-            raise
+            return lossless_instead(err)
         try:
             new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=0.0,
                             compress=compress)
         except InfeasibleBudgetError:
-            raise err from None
+            return lossless_instead(err)
         margin, unmet = 0.0, err
     if compress is not None:
         _set_compact(new, chosen_units)
@@ -411,7 +427,7 @@ def _make(
                 u.decision == Decision.KEEP and not u.compact for u in new.units) and not new.bits):
             return new
         if unmet is not None:  # the plan without a margin does not fit either: the first error stands
-            raise unmet
+            return lossless_instead(unmet)
         if oom:
             logger.info("zoomem: the plan for %.1f MiB ran out of device memory; planning again with %.0f%% less",
                         budget_bytes / _MIB, 100 * _OOM_MARGIN)
@@ -436,16 +452,16 @@ def _make(
     if tried:
         measured = min(m for _, m in tried)
     if measured is None:
-        raise InfeasibleBudgetError(
+        return lossless_instead(InfeasibleBudgetError(
             f"Every plan zoomem found for {budget_bytes / _MIB:.1f} MiB ran out of device memory (the budget is "
             "more than the device holds beside what else runs there, or zoomem's model of this step is off); "
-            "lower the budget below the device's free memory, or lower the batch size.", int(budget_bytes))
-    raise InfeasibleBudgetError(
+            "lower the budget below the device's free memory, or lower the batch size.", int(budget_bytes)))
+    return lossless_instead(InfeasibleBudgetError(
         f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB measured {measured / _MIB:.1f} MiB at best "
         f"(its model of this step is off by more than its margin); raise the budget to about "
         f"{measured / _MIB:.1f} MiB or lower the batch size.",
         int(measured or budget_bytes),
-    )
+    ))
 
 
 _OOM_MARGIN = 0.05
