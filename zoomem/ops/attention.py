@@ -150,8 +150,13 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.matmul(pd, v), keep, p
 
 
+def _scale_root(q: torch.Tensor, scale: float | None) -> float:
+    """aten scales q and k each by the root of the softmax scale (``1 / sqrt(E)`` unless given)."""
+    return math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
-    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    sf = _scale_root(q, scale)
     return torch.matmul(q * sf, k.transpose(-2, -1) * sf)
 
 
@@ -300,7 +305,7 @@ def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: to
         gs = torch._softmax_backward_data(gp, p, -1, p.dtype)
         del gp
         # matmul(q * sf, k^T * sf)'s backward as autograd runs it: bmm on the 3-D operands matmul made
-        sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+        sf = _scale_root(q, scale)
         gs3 = gs.reshape(-1, *gs.shape[-2:])
         if need[0]:
             ks = k.transpose(-2, -1) * sf
