@@ -281,6 +281,11 @@ def test_cross_entropy_impl_goes_on_hf_loss_function_and_comes_off_exactly() -> 
     out = gpt2(input_ids=ids, labels=ids)
     assert out.loss.grad_fn.name() == "CrossEntropyBackward"
     assert torch.equal(out.loss, ref.loss)
+    gpt2.eval()  # eval and no_grad run HF's own loss
+    assert gpt2(input_ids=ids, labels=ids).loss.grad_fn.name() != "CrossEntropyBackward"
+    gpt2.train()
+    with torch.no_grad():
+        assert gpt2(input_ids=ids, labels=ids).loss.grad_fn is None
     undo()
     assert gpt2.__dict__.keys() == before.keys() and "_loss_function" not in gpt2.__dict__
     buf = io.BytesIO()

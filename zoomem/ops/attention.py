@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .functional import _fused_dropout_device, _kernel_value, stores_lossily
+from .functional import _aten_dropout, _dropout_from_mask, _fused_dropout_device, _kernel_value, stores_lossily
 from .packbits import pack_bool, unpack_bool
 from .routing import RoutingMode
 
@@ -164,18 +164,9 @@ def _dropout(p: torch.Tensor, dropout_p: float, fused: bool,
              keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if dropout_p <= 0.0:
         return p, keep
-    if fused:  # native_dropout (CUDA & co.): out = p * mask * (1 / (1 - p_drop))
-        if keep is None:
-            return torch.native_dropout(p, dropout_p, True)
-        return torch.ops.aten.native_dropout_backward(p, keep, 1.0 / (1.0 - dropout_p)), keep
-    # aten's _dropout_impl on CPU: noise = bernoulli(1 - p_drop) / (1 - p_drop); p * noise
     if keep is None:
-        noise = torch.empty_like(p).bernoulli_(1 - dropout_p)
-        keep = noise != 0
-    else:
-        noise = keep.to(p.dtype)
-    noise.div_(1 - dropout_p)
-    return p * noise, keep
+        return _aten_dropout(p, dropout_p, fused)
+    return _dropout_from_mask(p, keep, dropout_p, fused), keep
 
 
 class MathAttention(torch.autograd.Function):
@@ -284,24 +275,13 @@ def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: to
     """The gradients autograd computes through :func:`_math_attention` given its softmax ``p``, with its kernels
     on the same operands (bitwise), holding at most three N x N tensors at a time (autograd's graph of the
     recomputation would hold the dropout noise and the dropped-out probabilities beside them)."""
-    if dropout_p > 0.0:
-        if fused:
-            pd = torch.ops.aten.native_dropout_backward(p, keep, 1.0 / (1.0 - dropout_p))
-        else:  # p * noise, noise = keep / (1 - p_drop): the same products, without an N x N float noise tensor
-            r = torch.ones((), dtype=p.dtype, device=p.device).div_(1 - dropout_p)
-            pd = (p * r).masked_fill_(keep.logical_not(), 0)
-    else:
-        pd = p
+    pd, _ = _dropout(p, dropout_p, fused, keep)
     gv = torch.matmul(pd.transpose(-2, -1), grad) if need[2] else None
     del pd
     gq = gk = None
     if need[0] or need[1]:
         gp = torch.matmul(grad, v.transpose(-2, -1))
-        if dropout_p > 0.0:
-            if fused:
-                gp = torch.ops.aten.native_dropout_backward(gp, keep, 1.0 / (1.0 - dropout_p))
-            else:
-                gp = gp.masked_fill_(keep.logical_not(), 0).mul_(r)
+        gp, _ = _dropout(gp, dropout_p, fused, keep)
         gs = torch._softmax_backward_data(gp, p, -1, p.dtype)
         del gp
         # matmul(q * sf, k^T * sf)'s backward as autograd runs it: bmm on the 3-D operands matmul made

@@ -320,22 +320,34 @@ def _fused_dropout_device(x: torch.Tensor) -> bool:
     return dev in ("cuda", "xpu", "lazy") or dev == torch._C._get_privateuse1_backend_name()
 
 
+def _aten_dropout(x: torch.Tensor, p: float, fused: bool,
+                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.dropout(x, p, training=True)`` as aten runs it on ``x``'s device (the same RNG draws, the same values),
+    and its mask: ``native_dropout`` where ``fused``, else aten's ``_dropout_impl`` (noise = bernoulli(1-p) in
+    ``x``'s dtype, / (1-p), ``x * noise``). Returns ``(out, keep)``."""
+    if fused:
+        out, keep = torch.native_dropout(x, p, True)
+        return (x.copy_(out) if inplace else out), keep
+    noise = torch.empty_like(x).bernoulli_(1 - p)
+    keep = noise != 0
+    noise.div_(1 - p)
+    return (x.mul_(noise) if inplace else x * noise), keep
+
+
+def _dropout_from_mask(x: torch.Tensor, keep: torch.Tensor, p: float, fused: bool) -> torch.Tensor:
+    """``x`` times the multiplier of the :func:`_aten_dropout` draw whose mask is ``keep``: that draw's output again
+    given its input, or its gradient given the output's (bitwise), without an ``x``-sized float noise tensor."""
+    if fused:
+        return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - p))
+    r = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)  # the noise's one nonzero value, as aten divides
+    return (x * r).masked_fill_(keep.logical_not(), 0)
+
+
 class _BitmaskDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, inplace):  # type: ignore[override]
         fused = _fused_dropout_device(x)
-        if fused:
-            # same kernel and RNG draws as F.dropout on this device; the bool mask is packed to bits
-            out, mask = torch.native_dropout(x, p, True)
-            if inplace:
-                out = x.copy_(out)
-        else:
-            # aten's _dropout_impl (what F.dropout runs on CPU): noise = bernoulli(1-p) in x's dtype, / (1-p), x*noise
-            noise = torch.empty_like(x).bernoulli_(1 - p)
-            mask = noise != 0
-            noise.div_(1 - p)
-            out = x.mul_(noise) if inplace else x * noise
-            del noise
+        out, mask = _aten_dropout(x, p, fused, inplace)  # the bool mask is packed to bits
         if inplace:
             ctx.mark_dirty(x)
         _save_mask(ctx, mask)
@@ -345,11 +357,7 @@ class _BitmaskDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        mask = _load_mask(ctx)
-        if ctx.fused:
-            return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - ctx.p)), None, None
-        noise = mask.to(grad.dtype).div_(1 - ctx.p)  # the very values of the forward noise
-        return grad * noise, None, None
+        return _dropout_from_mask(grad, _load_mask(ctx), ctx.p, ctx.fused), None, None
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
