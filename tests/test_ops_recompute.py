@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from zoomem.ops import attention as A
 from zoomem.ops import functional as Zf
 from zoomem.ops.impls import IMPLS, impls_for, install_impl, installed_impl
-from zoomem.ops.loss import CrossEntropy, cross_entropy, route_cross_entropy
+from zoomem.ops import loss as L
+from zoomem.ops.loss import CrossEntropy, LinearCrossEntropy, cross_entropy, route_cross_entropy
 
 from test_ops import rel, saved_bytes  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -279,17 +280,123 @@ def test_cross_entropy_impl_goes_on_hf_loss_function_and_comes_off_exactly() -> 
     pickle.loads(pickle.dumps(gpt2))
     torch.manual_seed(0)
     out = gpt2(input_ids=ids, labels=ids)
-    assert out.loss.grad_fn.name() == "CrossEntropyBackward"
-    assert torch.equal(out.loss, ref.loss)
+    assert out.loss.grad_fn.name() == "LinearCrossEntropyBackward"  # the logits are the LM head's output
+    assert rel(out.loss, ref.loss) < 1e-6 and torch.equal(out.logits, ref.logits)
     gpt2.eval()  # eval and no_grad run HF's own loss
-    assert gpt2(input_ids=ids, labels=ids).loss.grad_fn.name() != "CrossEntropyBackward"
+    assert "CrossEntropy" not in gpt2(input_ids=ids, labels=ids).loss.grad_fn.name()
     gpt2.train()
     with torch.no_grad():
         assert gpt2(input_ids=ids, labels=ids).loss.grad_fn is None
     undo()
     assert gpt2.__dict__.keys() == before.keys() and "_loss_function" not in gpt2.__dict__
+    assert not gpt2.lm_head._forward_hooks and gpt2.lm_head not in L._HEAD_IO  # the setup's hook is gone too
     buf = io.BytesIO()
     torch.save(gpt2.state_dict(), buf)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the LM head's Linear and the cross-entropy, one backward a slice of the vocabulary at a time
+
+
+def _head_inputs(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 16, generator=gen, dtype=dtype).requires_grad_(True)
+    weight = (torch.randn(50, 16, generator=gen, dtype=dtype) * 0.5).requires_grad_(True)
+    b = torch.randn(50, generator=gen, dtype=dtype).requires_grad_(True) if bias else None
+    target = torch.randint(0, 50, (12,), generator=gen)
+    target[[2, 7]] = -100
+    return hidden, weight, b, target
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 96)  # slices of 8 rows and 8 of the 50 classes: a ragged last one
+    hidden, weight, b, target = _head_inputs(bias)
+    params = [t for t in (hidden, weight, b) if t is not None]
+    w = torch.arange(1, 13, dtype=torch.float32) if reduction == "none" else torch.tensor(2.0)
+    results = []
+    for ours in (False, True):
+        logits = F.linear(hidden, weight, b).view(-1, 50)
+        if ours:
+            loss = LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, reduction)
+        else:
+            loss = F.cross_entropy(logits, target, ignore_index=-100, reduction=reduction)
+        results.append((loss, torch.autograd.grad(loss, params, w)))
+    (loss0, grads0), (loss1, grads1) = results
+    assert rel(loss1, loss0) < 1e-6
+    for g0, g1 in zip(grads0, grads1):
+        assert rel(g1, g0) < 1e-6
+    assert grads1[0].view(12, 16)[[2, 7]].abs().sum() == 0  # ignored rows send nothing to the hidden states
+
+
+def test_linear_cross_entropy_gradgradcheck() -> None:
+    hidden, weight, b, target = _head_inputs(True, torch.float64)
+    for reduction in ("mean", "none"):
+        def f(h: torch.Tensor, w: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+            logits = F.linear(h, w, bb).view(-1, 50).detach()
+            return LinearCrossEntropy.apply(logits, h, w, bb, target, -100, reduction)
+
+        assert torch.autograd.gradcheck(f, (hidden, weight, b))
+        assert torch.autograd.gradgradcheck(f, (hidden, weight, b))
+
+
+class _Head(nn.Module):
+    """An LM head computing its loss the way HF models do (``loss_function``, behind the route)."""
+
+    def __init__(self, vocab: int = 4096) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(64, vocab, bias=False)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor, edit: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm_head(hidden)
+        if edit == "inplace":
+            logits.mul_(1.0)
+        elif edit == "copy":
+            logits = logits * 1.0
+        with route_cross_entropy(self.lm_head):
+            return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), target)
+
+
+def test_fused_head_only_for_the_heads_own_unchanged_output() -> None:
+    model, gen = _Head(64), torch.Generator().manual_seed(0)
+    hidden, target = torch.randn(2, 5, 64, generator=gen, requires_grad=True), torch.randint(0, 64, (10,))
+    undo = L.record_head(model)
+    try:
+        assert model(hidden, target)[1].grad_fn.name() == "LinearCrossEntropyBackward"
+        for edit in ("inplace", "copy"):  # logits changed after the head: keep them, the head's input says nothing
+            assert model(hidden, target, edit)[1].grad_fn.name() == "CrossEntropyBackward"
+    finally:
+        undo()
+    assert model(hidden, target)[1].grad_fn.name() == "CrossEntropyBackward"  # nothing recorded any more
+
+
+def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zoomem.measure import MemoryMeter
+
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)  # slices of 1/16 of these logits (GPT-2's at full size)
+
+    peaks = []
+    for fused in (False, True):
+        model, gen = _Head(), torch.Generator().manual_seed(0)
+        hidden = torch.randn(4, 64, 64, generator=gen, requires_grad=True)
+        target = torch.randint(0, 4096, (256,), generator=gen)
+        undo = L.record_head(model) if fused else (lambda: None)
+        with MemoryMeter(model, hidden, target) as meter:
+            logits, loss = model(hidden, target)
+            meter.mark("forward")
+            loss.backward()
+            meter.mark("backward")
+        undo()
+        assert (loss.grad_fn.name() == "LinearCrossEntropyBackward") == fused
+        report = meter.report
+        peaks.append([report.phases[p].peak_bytes for p in ("forward", "backward")])
+    (fwd0, bwd0), (fwd1, bwd1) = peaks
+    assert fwd0 - fwd1 >= 0.9 * logits.nbytes  # no log-probabilities while the loss is computed
+    assert bwd0 - bwd1 >= 0.8 * logits.nbytes  # and no logits-sized gradient at the head's backward (slices of 1/16)
 
 
 # ----------------------------------------------------------------------------------------------------------------

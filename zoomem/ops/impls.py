@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
-from .loss import routed_loss
+from .loss import record_head, routed_loss
 
 __all__ = [
     "Impl",
@@ -69,6 +69,9 @@ class Impl:
         attribute: the instance attribute it replaces: ``"forward"``, or another callable the module calls (HF's
             ``loss_function``), set through the class's property setter where there is one; ``forward`` is then
             called as with ``wraps_original``, with the attribute's previous value.
+        setup: ``setup(module) -> undo``, run when the implementation is installed (switched on or not): what it
+            needs beside the replaced attribute, e.g. the forward hook through which ``cross_entropy_logits`` learns
+            the LM head's input.
     """
 
     name: str
@@ -78,6 +81,7 @@ class Impl:
     doc: str = ""
     wraps_original: bool = False
     attribute: str = "forward"
+    setup: Callable[[nn.Module], Callable[[], None]] | None = None
 
     @property
     def wraps(self) -> bool:
@@ -204,7 +208,7 @@ def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
     wrapper = functools.partial(dispatch_impl, module, impl, getattr(module, impl.attribute))
     setattr(wrapper, _MARK, impl)
     if impl.attribute != "forward":
-        return set_attribute(module, impl.attribute, wrapper)
+        return with_setup(module, impl, set_attribute(module, impl.attribute, wrapper))
     had_instance_forward = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
     module.__dict__["forward"] = wrapper
@@ -220,7 +224,21 @@ def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
         else:
             del module.__dict__["forward"]
 
-    return undo
+    return with_setup(module, impl, undo)
+
+
+def with_setup(module: nn.Module, impl: Impl, undo: Callable[[], None]) -> Callable[[], None]:
+    """Run ``impl.setup`` on ``module`` (if any) beside an installation whose undo is ``undo``; returns the undo
+    of both (the setup's last)."""
+    if impl.setup is None:
+        return undo
+    undo_setup = impl.setup(module)
+
+    def both() -> None:
+        undo()
+        undo_setup()
+
+    return both
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,8 +507,10 @@ def _register_builtin() -> None:
         Impl("cross_entropy_logits", (nn.Module,), routed_loss,
              _lm_loss_applies,
              "HF LM heads: the loss_function's F.cross_entropy keeps the logits (the model's output) instead of "
-             "the log-probabilities, and its backward allocates one logits-sized tensor instead of three. Loss "
-             "bitwise, gradients ~1e-7 relative.", attribute="loss_function"),
+             "the log-probabilities. Logits that are the output-embeddings Linear's output go with its input and "
+             "weight to one fused backward, a slice of the vocabulary at a time (no logits-sized gradient, no "
+             "log-probabilities in forward); others get one logits-sized gradient instead of three. Loss and "
+             "gradients ~1e-7 relative.", attribute="loss_function", setup=record_head),
     ):
         register_impl(impl)
 

@@ -13,18 +13,27 @@ same ``log_softmax`` and ``nll_loss`` kernels); the gradient differs in the last
 targets, no class weights, no label smoothing, 2-D logits needing a gradient, no autocast; anything else runs as
 it is). The ``cross_entropy_logits`` implementation (:mod:`zoomem.ops.impls`) puts it around an HF model's
 ``loss_function``, HF's own hook for the loss an LM head computes inside ``forward``.
+
+Where the logits are the output of the model's output-embeddings ``nn.Linear`` (recorded by a forward hook that
+the implementation installs, :func:`record_head`), the loss runs :class:`LinearCrossEntropy` instead: the
+gradient goes straight to the head's input and weight, a slice of the vocabulary at a time, so no logits-sized
+gradient ever exists (GPT-2 at batch 2, sequence 512: 196 MiB less at the head's backward, and no 196 MiB of
+log-probabilities in forward). Its loss and gradients differ from stock's in the last bits (~1e-7 relative).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from .functional import _kernel_value
 from .routing import RoutingMode
 
-__all__ = ["CrossEntropy", "route_cross_entropy", "cross_entropy"]
+__all__ = ["CrossEntropy", "LinearCrossEntropy", "route_cross_entropy", "cross_entropy", "record_head"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -47,21 +56,149 @@ class CrossEntropy(torch.autograd.Function):
         logits, target = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        valid = target != ctx.ignore_index
-        safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device)).unsqueeze(1)
-        if ctx.reduction == "none":
-            scale = torch.where(valid, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)).unsqueeze(1)
-        else:
-            count = valid.sum().to(logits.dtype) if ctx.reduction == "mean" else None
-            step = grad / count if count is not None else grad
-            scale = torch.where(valid, step, torch.zeros((), dtype=step.dtype, device=step.device)).unsqueeze(1)
-        scale = scale.to(logits.dtype)
+        safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, logits.dtype)
+        safe, scale = safe.unsqueeze(1), scale.unsqueeze(1)
         if torch.is_grad_enabled():  # create_graph: out-of-place, differentiable in logits and grad
             onehot = torch.zeros_like(logits).scatter(1, safe, 1.0)
             return (torch.softmax(logits, 1) - onehot) * scale, None, None, None
         g = torch.softmax(logits, 1)
         g.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=g.dtype))
         return g.mul_(scale), None, None, None
+
+
+def _row_scale(target: torch.Tensor, grad: torch.Tensor, ignore_index: int, reduction: str,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the class index to subtract one at (0 where ignored) and the factor of ``softmax - onehot``."""
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device))
+    if reduction == "none":
+        step = grad
+    else:
+        step = grad / valid.sum().to(dtype) if reduction == "mean" else grad
+    scale = torch.where(valid, step, torch.zeros((), dtype=step.dtype, device=step.device)).to(dtype)
+    return safe, scale
+
+
+_CHUNK_ELEMENTS = 1 << 20
+"""The smallest slice of logits :class:`LinearCrossEntropy` works on at once (4 MiB in fp32)."""
+
+
+def _slices(total: int, rows: int, cols_of_row: int) -> int:
+    """How many of ``total`` columns (or rows) to take at once so a slice holds about as many elements as the
+    head's input (``rows x cols_of_row``), at least :data:`_CHUNK_ELEMENTS`: 16 slices of GPT-2's vocabulary."""
+    return max(1, min(total, max(_CHUNK_ELEMENTS, rows * cols_of_row) // max(1, rows)))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(hidden @ weight.T + bias, target)`` for an LM head whose ``[N, V]`` logits already exist
+    (the model's output): the loss comes from the given logits, the gradient goes to ``hidden``, ``weight`` and
+    ``bias`` directly, a slice of ``V`` at a time, never through a logits-sized gradient. Saves the logits, their
+    per-row log-sum-exp, ``hidden`` and the targets (the logits and ``hidden`` are alive anyway: the output, and
+    what the head's own ``Linear`` keeps). Twice differentiable (``create_graph`` recomputes the logits)."""
+
+    @staticmethod
+    def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction):  # type: ignore[override]
+        rows = _slices(logits.shape[0], logits.shape[1], 1)
+        lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        for r in range(0, logits.shape[0], rows):  # logsumexp's exp(x - max) is a temporary of its input's size
+            torch.logsumexp(logits[r:r + rows], 1, out=lse[r:r + rows])
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device))
+        nll = torch.where(valid, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1),
+                          torch.zeros((), dtype=logits.dtype, device=logits.device))
+        if reduction == "mean":
+            loss = nll.sum() / valid.sum().to(logits.dtype)
+        else:
+            loss = nll.sum() if reduction == "sum" else nll
+        ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
+        ctx.save_for_backward(logits, lse, hidden, weight, bias, target)
+        ctx.exact_reads = (0, 1)  # both reach the gradient through exp() (zoomem.runtime.probe)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        logits, lse, hidden, weight, bias, target = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[1:4]
+        need_b = need_b and ctx.has_bias
+        safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, logits.dtype)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        with torch.no_grad():
+            grad_h, grad_w, grad_b = _sliced_grads(logits, lse, h, weight, safe, scale, need_h, need_w, need_b)
+        if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
+            g = torch.softmax(F.linear(h, weight, bias), 1)
+            g = (g - torch.zeros_like(g).scatter(1, safe.unsqueeze(1), 1.0)) * scale.unsqueeze(1)
+            grad_h = _kernel_value(grad_h, g @ weight if need_h else None)
+            grad_w = _kernel_value(grad_w, g.t() @ h if need_w else None)
+            grad_b = _kernel_value(grad_b, g.sum(0) if need_b else None)
+        return None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None
+
+
+def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor,
+                  scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of :class:`LinearCrossEntropy`'s inputs, ``(softmax - onehot) * scale`` formed a slice of
+    the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``."""
+    grad_h = torch.zeros_like(h) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    grad_b = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
+    vocab = logits.shape[1]
+    cols = _slices(vocab, logits.shape[0], h.shape[1])
+    row_ids = torch.arange(logits.shape[0], device=logits.device)
+    for v in range(0, vocab, cols):
+        g = torch.sub(logits[:, v:v + cols], lse.unsqueeze(1)).exp_()
+        hit = (safe >= v) & (safe < v + g.shape[1])
+        g.index_put_((row_ids[hit], safe[hit] - v), g.new_full((), -1.0), accumulate=True)
+        g.mul_(scale.unsqueeze(1))
+        if grad_h is not None:
+            grad_h.addmm_(g, weight[v:v + cols])
+        if grad_w is not None:
+            torch.mm(g.t(), h, out=grad_w[v:v + cols])
+        if grad_b is not None:
+            torch.sum(g, 0, out=grad_b[v:v + cols])
+    return grad_h, grad_w, grad_b
+
+
+_HEAD_IO: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, int]]" = weakref.WeakKeyDictionary()
+"""Output-embeddings module -> (weak output, weak input, output version) of its last training forward."""
+
+
+def _record_head_io(module: nn.Module, args: tuple, output: Any) -> None:
+    if isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and output.requires_grad:
+        _HEAD_IO[module] = (weakref.ref(output), weakref.ref(args[0]), output._version)
+
+
+def record_head(model: nn.Module) -> Callable[[], None]:
+    """Setup of the ``cross_entropy_logits`` implementation: a forward hook on ``model``'s output embeddings
+    (an ``nn.Linear``) noting, weakly, its last output and input, so the loss can tell whether the logits it gets
+    are that output (then it runs :class:`LinearCrossEntropy`). Returns the undo (the hook removed)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return lambda: None
+    handle = head.register_forward_hook(_record_head_io)
+
+    def undo() -> None:
+        handle.remove()
+        _HEAD_IO.pop(head, None)
+
+    return undo
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor, nn.Linear] | None:
+    """``(hidden, head)`` when the 2-D ``logits`` are, unchanged, the rows of ``head``'s last output."""
+    record = _HEAD_IO.get(head) if head is not None else None
+    if record is None:
+        return None
+    out, hidden = record[0](), record[1]()
+    if (out is None or hidden is None or not isinstance(head, nn.Linear) or out._version != record[2]
+            or _root(logits) is not _root(out) or not out.is_contiguous()
+            or logits.data_ptr() != out.data_ptr() or logits.shape != (out.numel() // out.shape[-1], out.shape[-1])
+            or hidden.shape[:-1] != out.shape[:-1] or head.weight.shape != (out.shape[-1], hidden.shape[-1])
+            or hidden.dtype != out.dtype or head.weight.dtype != out.dtype):
+        return None
+    return hidden, head
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -81,6 +218,10 @@ class route_cross_entropy(RoutingMode):
 
     target = staticmethod(F.cross_entropy)
 
+    def __init__(self, head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.head = head  # the model's output embeddings: logits that are its output go through LinearCrossEntropy
+
     def route(self, input: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
               reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
         if (weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
@@ -90,11 +231,23 @@ class route_cross_entropy(RoutingMode):
                 or not input.requires_grad or not torch.is_grad_enabled()
                 or torch.is_autocast_enabled(input.device.type)):
             return None
+        fused = _head_of(input, self.head)
+        if fused is not None:
+            hidden, head = fused
+            return LinearCrossEntropy.apply(input.detach(), hidden, head.weight, head.bias, target,
+                                            int(ignore_index), reduction)
         return CrossEntropy.apply(input, target, int(ignore_index), reduction)
 
 
 def routed_loss(module: Any, loss_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The ``cross_entropy_logits`` implementation: ``loss_function(*args, **kwargs)`` with its
     ``F.cross_entropy`` calls routed through :func:`cross_entropy`."""
-    with route_cross_entropy():
+    with route_cross_entropy(_output_embeddings(module)):
         return loss_function(*args, **kwargs)
+
+
+def _output_embeddings(model: Any) -> nn.Module | None:
+    try:
+        return model.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - no accessor, no head to fuse with
+        return None

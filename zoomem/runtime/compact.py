@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, find_inplace_writers, impls_for, install_impl
-from ..ops.impls import dispatch_impl, set_attribute
+from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
@@ -89,9 +89,9 @@ def install_switched(
         for mod, impl in pairs:
             switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
             if impl.attribute == "forward":
-                undos.append(set_forward(mod, switched))
+                undos.append(with_setup(mod, impl, set_forward(mod, switched)))
             else:
-                undos.append(set_attribute(mod, impl.attribute, switched))
+                undos.append(with_setup(mod, impl, set_attribute(mod, impl.attribute, switched)))
     return undos
 
 
