@@ -777,7 +777,7 @@ def test_timm_resnet18_gradients_match(everything: bool) -> None:
         ("timm/resnet18", {"relu_bitmask", "batchnorm_output", "conv2d_split_backward"}),
         ("hf/bert-base-uncased", {"dropout_bitmask", "layernorm_output", "linear_split_backward",
                                   "attention_recompute"}),
-        ("hf/gpt2", {"attention_recompute", "pointwise_recompute", "cross_entropy_logits"}),
+        ("hf/gpt2", {"attention_recompute", "pointwise_recompute", "cross_entropy_logits", "embedding_tied_grad"}),
         ("pyg/sage", {"message_passing_spmm"}),  # mean aggregation: aten's CPU SpMM-reduce kernel, routed
     ],
 )
@@ -805,7 +805,10 @@ def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[
         loss = adapter.loss(model, batch, batch.call(model))
         plain = torch.autograd.grad(loss, params, retain_graph=True)
         grads = torch.autograd.grad(loss, params, create_graph=True)
-        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+        # bitwise, but where a tied LM head hands its weight gradient to the embedding (off under create_graph):
+        # the same sum, reassociated
+        tied = getattr(model.get_input_embeddings(), "weight", None) if compact and model_id == "hf/gpt2" else None
+        assert all(torch.equal(a, b) or (p is tied and rel(a, b) < 1e-6) for p, a, b in zip(params, plain, grads))
         penalty = sum(g.square().sum() for g in grads)
         second = torch.autograd.grad(penalty, params)
         results.append((flat(grads).detach(), flat(second)))

@@ -399,6 +399,65 @@ def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.Mo
     assert bwd0 - bwd1 >= 0.8 * logits.nbytes  # and no logits-sized gradient at the head's backward (slices of 1/16)
 
 
+def test_tied_embedding_is_stock_without_a_handover() -> None:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 40, (3, 9), generator=gen)
+    idx[0, :3] = 5
+    for pad in (None, 5, -35):
+        stock = nn.Embedding(40, 8, padding_idx=pad)
+        ours = copy.deepcopy(stock)
+        undo = install_impl(ours, "embedding_tied_grad")
+        w = torch.randn(3, 9, 8, generator=gen)
+        outs = [m(idx) for m in (stock, ours)]
+        for m, out in zip((stock, ours), outs):
+            (out * w).sum().backward()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(stock.weight.grad, ours.weight.grad)
+        assert outs[1].grad_fn.name() == "_TiedEmbeddingBackward"
+        undo()
+
+
+def _tiny_gpt2(seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=32)).train()
+
+
+def test_tied_lm_head_hands_its_weight_gradient_to_the_embedding() -> None:
+    stock = _tiny_gpt2()
+    ours = copy.deepcopy(stock)
+    undos = [install_impl(ours, "cross_entropy_logits"), install_impl(ours.transformer.wte, "embedding_tied_grad"),
+             install_impl(ours.transformer.wpe, "embedding_tied_grad")]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    handed = []
+    real = L._TiedEmbedding.backward
+
+    def spy(ctx: Any, grad: torch.Tensor) -> Any:
+        handed.append(ctx.pending is not None)
+        return real(ctx, grad)
+
+    with mock.patch.object(L._TiedEmbedding, "backward", staticmethod(spy)):
+        outs = []
+        for m in (stock, ours):
+            torch.manual_seed(1)
+            out = m(input_ids=ids, labels=ids, output_hidden_states=True)
+            out.loss.backward(retain_graph=True)
+            outs.append(out)
+    assert sorted(handed) == [False, True]  # wte took the head's gradient; wpe is not tied
+    for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
+        assert rel(b.grad, a.grad) < 1e-6, n
+    # a pass that runs the head but not the embedding, then one that runs the embedding but not the head: the
+    # gradient the first handed over is not the second's
+    w_stock, w_ours = stock.transformer.wte.weight, ours.transformer.wte.weight
+    for out in outs:
+        torch.autograd.grad(out.loss, [out.hidden_states[1]], retain_graph=True)
+    g_stock, g_ours = (torch.autograd.grad(out.hidden_states[0].square().sum(), [w])[0]
+                       for out, w in zip(outs, (w_stock, w_ours)))
+    assert torch.equal(g_ours, g_stock)
+    for undo in undos:
+        undo()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # what a lossy store may round: values read through exp() stay exact
 

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
-from .loss import record_head, routed_loss
+from .loss import record_head, routed_loss, tied_embedding
 
 __all__ = [
     "Impl",
@@ -450,6 +450,15 @@ def _pointwise_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return Zf.recompute_pointwise(functools.partial(forward, m), args[0])
 
 
+def _embedding_forward(m: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    return tied_embedding(input, m.weight, m.padding_idx)
+
+
+def _embedding_applies(m: nn.Module) -> bool:
+    return (_has_own_forward(nn.Embedding, m) and not m.sparse and not m.scale_grad_by_freq
+            and m.max_norm is None)
+
+
 def _lm_loss_applies(m: nn.Module) -> bool:
     """An HF model with an LM head (output embeddings), whose ``loss_function`` is a cross-entropy over the
     vocabulary."""
@@ -504,6 +513,10 @@ def _register_builtin() -> None:
              "Attention layers (kind='attention') whose F.scaled_dot_product_attention runs on the math path (CPU "
              "with dropout): saves q, k, v and a 1-bit dropout mask instead of three N x N tensors, recomputing "
              "q k^T and the softmax in backward. Bitwise.", wraps_original=True),
+        Impl("embedding_tied_grad", (nn.Embedding,), _embedding_forward, _embedding_applies,
+             "Embedding that takes the weight gradient of an LM head tied to it (cross_entropy_logits' fused "
+             "backward hands it over) and adds its rows in place: one vocabulary-sized gradient instead of two. "
+             "Otherwise aten's own backward, bitwise; with the hand-over ~1e-7 relative."),
         Impl("cross_entropy_logits", (nn.Module,), routed_loss,
              _lm_loss_applies,
              "HF LM heads: the loss_function's F.cross_entropy keeps the logits (the model's output) instead of "

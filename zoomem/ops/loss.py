@@ -19,6 +19,14 @@ the implementation installs, :func:`record_head`), the loss runs :class:`LinearC
 gradient goes straight to the head's input and weight, a slice of the vocabulary at a time, so no logits-sized
 gradient ever exists (GPT-2 at batch 2, sequence 512: 196 MiB less at the head's backward, and no 196 MiB of
 log-probabilities in forward). Its loss and gradients differ from stock's in the last bits (~1e-7 relative).
+
+A head tied to the input embedding (GPT-2, T5, tied Llamas) gets its weight's gradient twice: from the head, then
+from the embedding, whose stock backward allocates a second vocabulary-sized tensor to add to the first (147 MiB
+for GPT-2, at the end of backward, with every gradient alive). Where the embedding runs :func:`tied_embedding`
+(the ``embedding_tied_grad`` implementation) and feeds the head's input, :class:`LinearCrossEntropy` hands its
+weight gradient to that embedding's backward, which adds its rows into it in place and returns the sum: one
+vocabulary-sized tensor instead of two. The hand-over is keyed by the backward pass (a pass that does not run the
+embedding's backward never sees it) and off under ``create_graph``.
 """
 
 from __future__ import annotations
@@ -33,7 +41,14 @@ from torch import nn
 from .functional import _kernel_value
 from .routing import RoutingMode
 
-__all__ = ["CrossEntropy", "LinearCrossEntropy", "route_cross_entropy", "cross_entropy", "record_head"]
+__all__ = [
+    "CrossEntropy",
+    "LinearCrossEntropy",
+    "route_cross_entropy",
+    "cross_entropy",
+    "record_head",
+    "tied_embedding",
+]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -111,6 +126,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         else:
             loss = nll.sum() if reduction == "sum" else nll
         ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
+        ctx.embedding = _tied_embedding_node(hidden, weight) if weight.requires_grad else None
         ctx.save_for_backward(logits, lse, hidden, weight, bias, target)
         ctx.exact_reads = (0, 1)  # both reach the gradient through exp() (zoomem.runtime.probe)
         return loss
@@ -130,6 +146,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = _kernel_value(grad_h, g @ weight if need_h else None)
             grad_w = _kernel_value(grad_w, g.t() @ h if need_w else None)
             grad_b = _kernel_value(grad_b, g.sum(0) if need_b else None)
+        elif grad_w is not None and ctx.embedding is not None:  # the tied embedding's backward adds to it, returns it
+            ctx.embedding.pending = (torch._C._current_graph_task_id(), grad_w)
+            grad_w = None
         return None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None
 
 
@@ -155,6 +174,60 @@ def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weig
         if grad_b is not None:
             torch.sum(g, 0, out=grad_b[v:v + cols])
     return grad_h, grad_w, grad_b
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """``torch.embedding`` whose backward adds its rows in place into a weight gradient handed over by a tied LM
+    head in the same backward pass, else runs aten's dense embedding backward (bitwise stock)."""
+
+    @staticmethod
+    def forward(ctx, weight, indices, padding_idx):  # type: ignore[override]
+        ctx.padding_idx, ctx.weight, ctx.pending = padding_idx, weakref.ref(weight), None
+        ctx.save_for_backward(indices)
+        return torch.embedding(weight, indices, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (indices,) = ctx.saved_tensors
+        pending, ctx.pending = ctx.pending, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        if pending is not None and pending[0] == torch._C._current_graph_task_id() and not torch.is_grad_enabled():
+            grad_w, rows, values = pending[1], indices.reshape(-1), grad.reshape(-1, grad.shape[-1])
+            if ctx.padding_idx >= 0:
+                keep = rows != ctx.padding_idx
+                rows, values = rows[keep], values[keep]
+            return grad_w.index_add_(0, rows, values.to(grad_w.dtype)), None, None
+        weight = ctx.weight()
+        num = weight.shape[0] if weight is not None else int(indices.max()) + 1
+        return torch.ops.aten.embedding_dense_backward(grad, indices, num, ctx.padding_idx, False), None, None
+
+
+def tied_embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """``F.embedding(indices, weight, padding_idx)`` that can take a tied LM head's weight gradient and add its own
+    rows into it in place (see the module docstring); otherwise exactly the stock op."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.embedding(indices, weight, padding_idx)
+    pad = -1 if padding_idx is None else (padding_idx if padding_idx >= 0 else weight.shape[0] + padding_idx)
+    return _TiedEmbedding.apply(weight, indices, pad)
+
+
+_WALK_LIMIT = 1 << 16
+"""Autograd nodes :func:`_tied_embedding_node` visits at most looking for the embedding (GPT-2: about 40 per layer)."""
+
+
+def _tied_embedding_node(hidden: torch.Tensor, weight: torch.Tensor) -> Any:
+    """The backward node of a :func:`tied_embedding` of ``weight`` that ``hidden`` was computed from, or None."""
+    seen, stack = set(), [hidden.grad_fn]
+    while stack and len(seen) < _WALK_LIMIT:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _TiedEmbedding._backward_cls) and node.weight() is weight:
+            return node
+        stack.extend(n for n, _ in node.next_functions)
+    return None
 
 
 _HEAD_IO: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, int]]" = weakref.WeakKeyDictionary()
