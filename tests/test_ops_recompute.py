@@ -357,8 +357,8 @@ class _Head(nn.Module):
             logits.mul_(1.0)
         elif edit == "copy":
             logits = logits * 1.0
-        with route_cross_entropy(self.lm_head):
-            return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), target)
+        with route_cross_entropy(self.lm_head):  # HF upcasts bf16/fp16 logits before the loss
+            return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target)
 
 
 def test_fused_head_only_for_the_heads_own_unchanged_output() -> None:
@@ -397,6 +397,58 @@ def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.Mo
     (fwd0, bwd0), (fwd1, bwd1) = peaks
     assert fwd0 - fwd1 >= 0.9 * logits.nbytes  # no log-probabilities while the loss is computed
     assert bwd0 - bwd1 >= 0.8 * logits.nbytes  # and no logits-sized gradient at the head's backward (slices of 1/16)
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16_model"])
+def test_fused_head_in_low_precision_matches_stock(mode: str) -> None:
+    """Under bf16 autocast, or with bf16 weights, HF's loss upcasts the head's logits to an fp32 copy; the fused
+    loss reads the bf16 logits themselves (softmax in fp32, the products in bf16, as autocast's backward runs)."""
+    stock = _tiny_gpt2()
+    if mode == "bf16_model":
+        stock = stock.to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    undos = [install_impl(ours, "cross_entropy_logits"), install_impl(ours.transformer.wte, "embedding_tied_grad")]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (stock, ours):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward" and losses[1].dtype == torch.float32
+    assert rel(losses[1], losses[0]) < 1e-5
+    for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
+        assert b.grad.dtype == a.grad.dtype and rel(b.grad.float(), a.grad.float()) < 1e-3, n
+    for undo in undos:
+        undo()
+
+
+def test_fused_head_under_autocast_holds_no_fp32_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zoomem.measure import MemoryMeter
+
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)
+
+    peaks = []
+    for fused in (False, True):
+        model, gen = _Head(), torch.Generator().manual_seed(0)
+        hidden = torch.randn(4, 64, 64, generator=gen, requires_grad=True)
+        target = torch.randint(0, 4096, (256,), generator=gen)
+        undo = L.record_head(model) if fused else (lambda: None)
+        with MemoryMeter(model, hidden, target) as meter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, loss = model(hidden, target)
+            meter.mark("forward")
+            loss.backward()
+            meter.mark("backward")
+        undo()
+        assert logits.dtype == torch.bfloat16
+        assert (loss.grad_fn.name() == "LinearCrossEntropyBackward") == fused
+        peaks.append((meter.report.activation_bytes, meter.report.phases["backward"].peak_bytes))
+    (held0, peak0), (held1, peak1) = peaks
+    fp32 = 2 * logits.nbytes
+    assert held0 - held1 >= 0.95 * fp32  # stock keeps the fp32 log-probabilities of the fp32 copy
+    assert peak0 - peak1 >= 1.5 * fp32  # and its backward holds them beside their fp32 gradient
 
 
 def test_tied_embedding_is_stock_without_a_handover() -> None:

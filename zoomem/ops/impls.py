@@ -522,8 +522,9 @@ def _register_builtin() -> None:
              "HF LM heads: the loss_function's F.cross_entropy keeps the logits (the model's output) instead of "
              "the log-probabilities. Logits that are the output-embeddings Linear's output go with its input and "
              "weight to one fused backward, a slice of the vocabulary at a time (no logits-sized gradient, no "
-             "log-probabilities in forward); others get one logits-sized gradient instead of three. Loss and "
-             "gradients ~1e-7 relative.", attribute="loss_function", setup=record_head),
+             "log-probabilities in forward; under bf16/fp16 autocast it reads the bf16 logits, not HF's fp32 copy); "
+             "others get one logits-sized gradient instead of three. Loss and gradients ~1e-7 relative.",
+             attribute="loss_function", setup=record_head),
     ):
         register_impl(impl)
 

@@ -19,6 +19,11 @@ the implementation installs, :func:`record_head`), the loss runs :class:`LinearC
 gradient goes straight to the head's input and weight, a slice of the vocabulary at a time, so no logits-sized
 gradient ever exists (GPT-2 at batch 2, sequence 512: 196 MiB less at the head's backward, and no 196 MiB of
 log-probabilities in forward). Its loss and gradients differ from stock's in the last bits (~1e-7 relative).
+Under bf16/fp16 autocast, or with bf16/fp16 weights, HF's loss first upcasts the head's logits to an fp32 copy
+(twice their bytes) and the stock cross-entropy keeps fp32 log-probabilities; the fused loss reads the low-precision
+logits themselves instead (recognising the copy by its autograd node), forms ``softmax - onehot`` in fp32 a slice
+at a time and runs the products in the head's dtype, as autocast's backward does: neither the copy nor anything
+fp32 of the logits' size is kept.
 
 A head tied to the input embedding (GPT-2, T5, tied Llamas) gets its weight's gradient twice: from the head, then
 from the embedding, whose stock backward allocates a second vocabulary-sized tensor to add to the first (147 MiB
@@ -113,16 +118,17 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction):  # type: ignore[override]
+        cdt = _compute_dtype(logits)
         rows = _slices(logits.shape[0], logits.shape[1], 1)
-        lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        lse = torch.empty(logits.shape[0], dtype=cdt, device=logits.device)
         for r in range(0, logits.shape[0], rows):  # logsumexp's exp(x - max) is a temporary of its input's size
-            torch.logsumexp(logits[r:r + rows], 1, out=lse[r:r + rows])
+            torch.logsumexp(logits[r:r + rows].to(cdt), 1, out=lse[r:r + rows])
         valid = target != ignore_index
         safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device))
-        nll = torch.where(valid, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1),
-                          torch.zeros((), dtype=logits.dtype, device=logits.device))
+        nll = torch.where(valid, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1).to(cdt),
+                          torch.zeros((), dtype=cdt, device=logits.device))
         if reduction == "mean":
-            loss = nll.sum() / valid.sum().to(logits.dtype)
+            loss = nll.sum() / valid.sum().to(cdt)
         else:
             loss = nll.sum() if reduction == "sum" else nll
         ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
@@ -136,15 +142,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         logits, lse, hidden, weight, bias, target = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
         need_b = need_b and ctx.has_bias
-        safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, logits.dtype)
+        safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, lse.dtype)
         h = hidden.reshape(-1, hidden.shape[-1])
         with torch.no_grad():
             grad_h, grad_w, grad_b = _sliced_grads(logits, lse, h, weight, safe, scale, need_h, need_w, need_b)
+            grad_h = grad_h.to(hidden.dtype) if grad_h is not None else None
+            grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
-            g = torch.softmax(F.linear(h, weight, bias), 1)
+            hc, wc = h.to(lse.dtype), weight.to(lse.dtype)
+            g = torch.softmax(F.linear(hc, wc, bias.to(lse.dtype) if bias is not None else None), 1)
             g = (g - torch.zeros_like(g).scatter(1, safe.unsqueeze(1), 1.0)) * scale.unsqueeze(1)
-            grad_h = _kernel_value(grad_h, g @ weight if need_h else None)
-            grad_w = _kernel_value(grad_w, g.t() @ h if need_w else None)
+            grad_h = _kernel_value(grad_h, g @ wc if need_h else None)
+            grad_w = _kernel_value(grad_w, g.t() @ hc if need_w else None)
             grad_b = _kernel_value(grad_b, g.sum(0) if need_b else None)
         elif grad_w is not None and ctx.embedding is not None:  # the tied embedding's backward adds to it, returns it
             ctx.embedding.pending = (torch._C._current_graph_task_id(), grad_w)
@@ -155,25 +164,45 @@ class LinearCrossEntropy(torch.autograd.Function):
 def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor,
                   scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :class:`LinearCrossEntropy`'s inputs, ``(softmax - onehot) * scale`` formed a slice of
-    the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``."""
-    grad_h = torch.zeros_like(h) if need_h else None
+    the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``.
+
+    ``g`` is formed in the loss's precision (fp32 for bf16/fp16 logits); the products run in the logits' dtype,
+    that of the head's matmul (bf16 under autocast: ``g``, ``h`` and the weight's slice cast to it, as autocast's
+    backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and ``grad_b`` come back in
+    that precision, ``grad_w`` in the weight's dtype."""
+    mdt, cdt = logits.dtype, lse.dtype
+    same = mdt == cdt == weight.dtype == h.dtype
+    grad_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
-    grad_b = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
+    grad_b = torch.empty(weight.shape[0], dtype=cdt, device=weight.device) if need_b else None
+    hm = h if same else h.to(mdt)
     vocab = logits.shape[1]
     cols = _slices(vocab, logits.shape[0], h.shape[1])
     row_ids = torch.arange(logits.shape[0], device=logits.device)
     for v in range(0, vocab, cols):
-        g = torch.sub(logits[:, v:v + cols], lse.unsqueeze(1)).exp_()
+        g = torch.sub(logits[:, v:v + cols].to(cdt), lse.unsqueeze(1)).exp_()
         hit = (safe >= v) & (safe < v + g.shape[1])
         g.index_put_((row_ids[hit], safe[hit] - v), g.new_full((), -1.0), accumulate=True)
         g.mul_(scale.unsqueeze(1))
-        if grad_h is not None:
-            grad_h.addmm_(g, weight[v:v + cols])
-        if grad_w is not None:
-            torch.mm(g.t(), h, out=grad_w[v:v + cols])
         if grad_b is not None:
             torch.sum(g, 0, out=grad_b[v:v + cols])
+        if same:
+            if grad_h is not None:
+                grad_h.addmm_(g, weight[v:v + cols])
+            if grad_w is not None:
+                torch.mm(g.t(), h, out=grad_w[v:v + cols])
+            continue
+        g = g.to(mdt)
+        if grad_h is not None:
+            grad_h.add_(torch.mm(g, weight[v:v + cols].to(mdt)))
+        if grad_w is not None:
+            grad_w[v:v + cols].copy_(torch.mm(g.t(), hm))
     return grad_h, grad_w, grad_b
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The loss's precision: fp32 for bf16/fp16 logits (HF upcasts them before its cross-entropy), else theirs."""
+    return torch.promote_types(logits.dtype, torch.float32)
 
 
 class _TiedEmbedding(torch.autograd.Function):
@@ -259,19 +288,36 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
-def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor, nn.Linear] | None:
-    """``(hidden, head)`` when the 2-D ``logits`` are, unchanged, the rows of ``head``'s last output."""
+def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor, nn.Linear, torch.Tensor] | None:
+    """``(hidden, head, rows)`` when the 2-D ``logits`` are, unchanged, the rows of ``head``'s last output, or
+    their upcast copy (``.float()`` of bf16/fp16 logits, as HF's losses make): ``rows`` is the output itself,
+    viewed ``[N, V]``."""
     record = _HEAD_IO.get(head) if head is not None else None
     if record is None:
         return None
     out, hidden = record[0](), record[1]()
     if (out is None or hidden is None or not isinstance(head, nn.Linear) or out._version != record[2]
-            or _root(logits) is not _root(out) or not out.is_contiguous()
-            or logits.data_ptr() != out.data_ptr() or logits.shape != (out.numel() // out.shape[-1], out.shape[-1])
-            or hidden.shape[:-1] != out.shape[:-1] or head.weight.shape != (out.shape[-1], hidden.shape[-1])
-            or hidden.dtype != out.dtype or head.weight.dtype != out.dtype):
+            or not out.is_contiguous() or logits.shape != (out.numel() // out.shape[-1], out.shape[-1])
+            or hidden.shape[:-1] != out.shape[:-1] or head.weight.shape != (out.shape[-1], hidden.shape[-1])):
         return None
-    return hidden, head
+    root = _root(logits)
+    if root is _root(out) and logits.data_ptr() == out.data_ptr():
+        same = True
+    else:  # HF's `logits.float()`: a copy whose autograd node reads the head's output
+        node = root.grad_fn
+        same = False
+        if (node is None or node.name() != "ToCopyBackward0" or node.next_functions[0][0] is not out.grad_fn
+                or root.shape != out.shape or not root.is_contiguous() or logits.data_ptr() != root.data_ptr()
+                or out.dtype not in (torch.bfloat16, torch.float16) or root.dtype != torch.float32):
+            return None
+    if torch.is_autocast_enabled(out.device.type):  # the head ran in autocast's dtype, whatever its operands'
+        if out.dtype != torch.get_autocast_dtype(out.device.type):
+            return None
+    elif hidden.dtype != out.dtype or head.weight.dtype != out.dtype or not out.is_floating_point():
+        return None
+    if same and out.dtype not in (torch.float32, torch.float64):
+        return None  # a loss over bf16 logits as they are: stock's precision, not this one's
+    return hidden, head, out.view(logits.shape)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -300,15 +346,15 @@ class route_cross_entropy(RoutingMode):
         if (weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
                 or reduction not in _REDUCTIONS or not isinstance(input, torch.Tensor)
                 or not isinstance(target, torch.Tensor) or input.dim() != 2 or target.dim() != 1
-                or target.dtype != torch.long or input.dtype not in (torch.float32, torch.float64)
-                or not input.requires_grad or not torch.is_grad_enabled()
-                or torch.is_autocast_enabled(input.device.type)):
+                or target.dtype != torch.long or not input.requires_grad or not torch.is_grad_enabled()):
             return None
         fused = _head_of(input, self.head)
-        if fused is not None:
-            hidden, head = fused
-            return LinearCrossEntropy.apply(input.detach(), hidden, head.weight, head.bias, target,
+        if fused is not None:  # the logits as the head made them (bf16 under autocast), not HF's fp32 copy
+            hidden, head, logits = fused
+            return LinearCrossEntropy.apply(logits.detach(), hidden, head.weight, head.bias, target,
                                             int(ignore_index), reduction)
+        if input.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(input.device.type):
+            return None
         return CrossEntropy.apply(input, target, int(ignore_index), reduction)
 
 
