@@ -374,27 +374,30 @@ def test_fused_head_only_for_the_heads_own_unchanged_output() -> None:
     assert model(hidden, target)[1].grad_fn.name() == "CrossEntropyBackward"  # nothing recorded any more
 
 
-def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+def _head_step(fused: bool, autocast: bool) -> tuple[Any, torch.Tensor]:
+    """One forward + backward of :class:`_Head` (4 MiB of fp32 logits) under a meter: its report and the logits."""
     from zoomem.measure import MemoryMeter
 
-    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)  # slices of 1/16 of these logits (GPT-2's at full size)
-
-    peaks = []
-    for fused in (False, True):
-        model, gen = _Head(), torch.Generator().manual_seed(0)
-        hidden = torch.randn(4, 64, 64, generator=gen, requires_grad=True)
-        target = torch.randint(0, 4096, (256,), generator=gen)
-        undo = L.record_head(model) if fused else (lambda: None)
-        with MemoryMeter(model, hidden, target) as meter:
+    model, gen = _Head(), torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 64, 64, generator=gen, requires_grad=True)
+    target = torch.randint(0, 4096, (256,), generator=gen)
+    undo = L.record_head(model) if fused else (lambda: None)
+    with MemoryMeter(model, hidden, target) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits, loss = model(hidden, target)
-            meter.mark("forward")
-            loss.backward()
-            meter.mark("backward")
-        undo()
-        assert (loss.grad_fn.name() == "LinearCrossEntropyBackward") == fused
-        report = meter.report
-        peaks.append([report.phases[p].peak_bytes for p in ("forward", "backward")])
-    (fwd0, bwd0), (fwd1, bwd1) = peaks
+        meter.mark("forward")
+        loss.backward()
+        meter.mark("backward")
+    undo()
+    assert (loss.grad_fn.name() == "LinearCrossEntropyBackward") == fused
+    return meter.report, logits
+
+
+def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)  # slices of 1/16 of these logits (GPT-2's at full size)
+    (stock, logits), (ours, _) = _head_step(False, False), _head_step(True, False)
+    fwd0, bwd0 = (stock.phases[p].peak_bytes for p in ("forward", "backward"))
+    fwd1, bwd1 = (ours.phases[p].peak_bytes for p in ("forward", "backward"))
     assert fwd0 - fwd1 >= 0.9 * logits.nbytes  # no log-probabilities while the loss is computed
     assert bwd0 - bwd1 >= 0.8 * logits.nbytes  # and no logits-sized gradient at the head's backward (slices of 1/16)
 
@@ -425,30 +428,13 @@ def test_fused_head_in_low_precision_matches_stock(mode: str) -> None:
 
 
 def test_fused_head_under_autocast_holds_no_fp32_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zoomem.measure import MemoryMeter
-
     monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)
-
-    peaks = []
-    for fused in (False, True):
-        model, gen = _Head(), torch.Generator().manual_seed(0)
-        hidden = torch.randn(4, 64, 64, generator=gen, requires_grad=True)
-        target = torch.randint(0, 4096, (256,), generator=gen)
-        undo = L.record_head(model) if fused else (lambda: None)
-        with MemoryMeter(model, hidden, target) as meter:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits, loss = model(hidden, target)
-            meter.mark("forward")
-            loss.backward()
-            meter.mark("backward")
-        undo()
-        assert logits.dtype == torch.bfloat16
-        assert (loss.grad_fn.name() == "LinearCrossEntropyBackward") == fused
-        peaks.append((meter.report.activation_bytes, meter.report.phases["backward"].peak_bytes))
-    (held0, peak0), (held1, peak1) = peaks
+    (stock, logits), (ours, _) = _head_step(False, True), _head_step(True, True)
+    assert logits.dtype == torch.bfloat16
     fp32 = 2 * logits.nbytes
-    assert held0 - held1 >= 0.95 * fp32  # stock keeps the fp32 log-probabilities of the fp32 copy
-    assert peak0 - peak1 >= 1.5 * fp32  # and its backward holds them beside their fp32 gradient
+    assert stock.activation_bytes - ours.activation_bytes >= 0.95 * fp32  # stock keeps fp32 log-probabilities
+    # and its backward holds them beside their fp32 gradient
+    assert stock.phases["backward"].peak_bytes - ours.phases["backward"].peak_bytes >= 1.5 * fp32
 
 
 def test_tied_embedding_is_stock_without_a_handover() -> None:
