@@ -394,7 +394,7 @@ def _head_step(fused: bool, autocast: bool) -> tuple[Any, torch.Tensor]:
 
 
 def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)  # slices of 1/16 of these logits (GPT-2's at full size)
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)  # slices of 1/16 of these logits
     (stock, logits), (ours, _) = _head_step(False, False), _head_step(True, False)
     fwd0, bwd0 = (stock.phases[p].peak_bytes for p in ("forward", "backward"))
     fwd1, bwd1 = (ours.phases[p].peak_bytes for p in ("forward", "backward"))

@@ -105,7 +105,8 @@ _CHUNK_ELEMENTS = 1 << 20
 
 def _slices(total: int, rows: int, cols_of_row: int) -> int:
     """How many of ``total`` columns (or rows) to take at once so a slice holds about as many elements as the
-    head's input (``rows x cols_of_row``), at least :data:`_CHUNK_ELEMENTS`: 16 slices of GPT-2's vocabulary."""
+    head's input (``rows x cols_of_row``), at least :data:`_CHUNK_ELEMENTS` (GPT-2 at 2 x 512 tokens: 50 slices of
+    1,024 of its 50,257 columns)."""
     return max(1, min(total, max(_CHUNK_ELEMENTS, rows * cols_of_row) // max(1, rows)))
 
 
