@@ -451,6 +451,9 @@ def test_tied_embedding_is_stock_without_a_handover() -> None:
             (out * w).sum().backward()
         assert torch.equal(outs[0], outs[1]) and torch.equal(stock.weight.grad, ours.weight.grad)
         assert outs[1].grad_fn.name() == "_TiedEmbeddingBackward"
+        with torch.no_grad():  # no_grad and eval run the stock op
+            assert torch.equal(ours(idx), stock(idx))
+        assert ours.eval()(idx).grad_fn.name() == "EmbeddingBackward0"
         undo()
 
 
