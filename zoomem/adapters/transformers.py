@@ -250,6 +250,20 @@ class TransformersAdapter(Adapter):
             return loss
         return default_loss(output, batch.target)
 
+    def recompute_kwargs(self, unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """As HF's ``GradientCheckpointingLayer`` does under its own checkpointing: no ``use_cache``, and no
+        key/value cache (``cache``, ``layer_past``) unless the layer only reads it. A recomputation would otherwise
+        append the layer's keys and values to the cache a second time (T5's decoder trains with
+        ``use_cache=True`` by default) and, reading twice as many keys, save other tensors than its forward did."""
+        changed = dict(kwargs)
+        if changed.get("use_cache"):
+            changed["use_cache"] = False
+        if not getattr(unit, "_can_checkpoint_with_cache", False):
+            for name in ("cache", "layer_past"):
+                if changed.get(name) is not None:
+                    changed[name] = None
+        return changed
+
     def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
         supported = bool(getattr(model, "supports_gradient_checkpointing", False))
         if not supported:

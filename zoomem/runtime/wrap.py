@@ -59,6 +59,9 @@ class _Active:
     feeds_chain: frozenset[str] = frozenset()
     """Units whose next unit drops its input (``RECOMPUTE_CHAIN``): they register how to bring it back."""
     chain: Chain | None = None
+    recomputes: bool = False
+    """Some unit recomputes: every unit then runs with the adapter's ``recompute_kwargs`` (no KV cache), so the
+    step's cache is not left with some layers only."""
 
     @classmethod
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
@@ -67,7 +70,8 @@ class _Active:
         if plan.outside_compact:
             compact |= {OUTSIDE_UNITS}
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
-        return cls(plan.decisions, compact, store, feeds, Chain() if feeds else None)
+        recomputes = any(d != Decision.KEEP for d in plan.decisions.values())
+        return cls(plan.decisions, compact, store, feeds, Chain() if feeds else None, recomputes)
 
     def hooks(self, model: nn.Module, batch: Batch) -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
         """The store's hooks around one forward of ``model`` on ``batch`` (a no-op when nothing is lossy)."""
@@ -854,6 +858,8 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             finally:
                 handle.active = previous
 
+        if active is not None and active.recomputes and torch.is_grad_enabled():
+            kwargs = handle.adapter.recompute_kwargs(unit.module, kwargs)  # no KV cache written twice
         chain = active.chain if active is not None and torch.is_grad_enabled() else None
         recipe = None
         if chain is not None and unit.name in active.feeds_chain:  # type: ignore[union-attr]
