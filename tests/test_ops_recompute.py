@@ -263,7 +263,7 @@ def test_cross_entropy_lowers_the_loss_backward_peak() -> None:
     assert peak0 - peak1 >= 1.9 * logits.nbytes  # nor nll_loss's dense gradient at the backward
 
 
-def test_cross_entropy_impl_goes_on_hf_loss_function_and_comes_off_exactly() -> None:
+def test_cross_entropy_impl_goes_on_the_model_forward_and_comes_off_exactly() -> None:
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
@@ -276,22 +276,73 @@ def test_cross_entropy_impl_goes_on_hf_loss_function_and_comes_off_exactly() -> 
     torch.manual_seed(0)
     ref = gpt2(input_ids=ids, labels=ids)
     undo = install_impl(gpt2, "cross_entropy_logits")
-    assert installed_impl(gpt2, "loss_function") is IMPLS["cross_entropy_logits"]
+    assert installed_impl(gpt2) is IMPLS["cross_entropy_logits"]
     pickle.loads(pickle.dumps(gpt2))
     torch.manual_seed(0)
+    depth = torch._C._len_torch_function_stack()
     out = gpt2(input_ids=ids, labels=ids)
     assert out.loss.grad_fn.name() == "LinearCrossEntropyBackward"  # the logits are the LM head's output
     assert rel(out.loss, ref.loss) < 1e-6 and torch.equal(out.logits, ref.logits)
+    assert torch._C._len_torch_function_stack() == depth and not L._WINDOWS  # the routing ends with the forward
+    assert F.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).grad_fn.name() == "NllLossBackward0"
     gpt2.eval()  # eval and no_grad run HF's own loss
     assert "CrossEntropy" not in gpt2(input_ids=ids, labels=ids).loss.grad_fn.name()
     gpt2.train()
     with torch.no_grad():
         assert gpt2(input_ids=ids, labels=ids).loss.grad_fn is None
+    with pytest.raises(Exception):  # labels the loss refuses: the routing still ends with the forward
+        gpt2(input_ids=ids, labels=ids[:1])
+    assert torch._C._len_torch_function_stack() == depth and not L._WINDOWS
     undo()
     assert gpt2.__dict__.keys() == before.keys() and "_loss_function" not in gpt2.__dict__
     assert not gpt2.lm_head._forward_hooks and gpt2.lm_head not in L._HEAD_IO  # the setup's hook is gone too
     buf = io.BytesIO()
     torch.save(gpt2.state_dict(), buf)
+
+
+def _grads_close(stock: nn.Module, ours: nn.Module, tol: float = 1e-5) -> None:
+    """Every gradient within ``tol`` of stock's, relative to the largest gradient of the model (BERT's key biases
+    have a zero gradient in exact arithmetic: their float noise has no relative precision of its own)."""
+    scale = max(float(p.grad.abs().max()) for p in stock.parameters() if p.grad is not None)
+    for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is not None:
+            assert float((a.grad - b.grad).abs().max()) <= tol * scale, n
+
+
+def _mlm_models() -> list[tuple[str, Callable[[], nn.Module]]]:
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    return [
+        ("bert_mlm", lambda: BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                                        intermediate_size=64, vocab_size=300))),
+        ("t5", lambda: T5ForConditionalGeneration(T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16,
+                                                           num_heads=2, d_ff=64, vocab_size=300,
+                                                           decoder_start_token_id=0))),
+    ]
+
+
+@pytest.mark.parametrize("name", ["bert_mlm", "t5"])
+def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str) -> None:
+    """BertForMaskedLM and T5 call ``nn.CrossEntropyLoss`` in ``forward`` (on a view of the logits), not HF's
+    ``loss_function``: the loss is fused all the same, with stock's values and gradients (ignored labels too)."""
+    torch.manual_seed(0)
+    stock = dict(_mlm_models())[name]().train()
+    ours = copy.deepcopy(stock)
+    undo = install_impl(ours, "cross_entropy_logits")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, ::3] = -100
+    losses = []
+    for m in (stock, ours):
+        torch.manual_seed(1)
+        out = m(input_ids=ids, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss)
+    assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward"
+    assert rel(losses[1], losses[0]) < 1e-6
+    _grads_close(stock, ours)
+    undo()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -419,6 +419,37 @@ def test_modules_outside_the_units_run_compact_where_they_help() -> None:
     zoomem.unwrap(model)
 
 
+def test_hf_layers_recompute_without_writing_the_kv_cache() -> None:
+    """T5 trains with ``use_cache=True`` unless told otherwise: its decoder layers append their keys and values to
+    a cache. Recomputed, they would append them again and save other tensors than their forward did (torch's
+    checkpoint refused the step); zoomem passes them no cache, as HF's own checkpointing does."""
+    import dataclasses
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2,
+                                                d_ff=64, vocab_size=300, decoder_start_token_id=0))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = zoomem.Batch(kwargs={"input_ids": ids, "labels": ids})  # no use_cache=False: the user's own batch
+    adapter = zoomem.adapters.get_adapter(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    zoomem.wrap(model, strategy="all", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    ((sig, plan),) = handle.plans.items()
+    assert set(plan.decisions.values()) == {Decision.RECOMPUTE}
+    handle.plans[sig] = dataclasses.replace(plan, outside_compact=True)  # the LM loss fused, beside the recomputation
+    torch.manual_seed(0)
+    assert batch.call(model).loss.grad_fn.name() == "LinearCrossEntropyBackward"
+    for p in model.parameters():
+        p.grad = None
+    loss, grads, _ = _step(model, adapter, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    _assert_grads_close(grads, ref_grads, "t5 recomputed")
+    zoomem.unwrap(model)
+
+
 def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
     """``torch.compile(wrapped)``: Dynamo cannot trace planning, checkpoint regions with a custom context or the
     store's hooks (it raised on a recompute_cheap unit); the training step runs as zoomem planned it, warned once,

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
-from .loss import record_head, routed_loss, tied_embedding
+from .loss import record_head, routed_forward, tied_embedding
 
 __all__ = [
     "Impl",
@@ -64,8 +64,10 @@ class Impl:
             fused activation).
         doc: what it saves instead of what, and how exact its gradients are.
         wraps_original: ``forward`` is called as ``forward(module, original_forward, *args, **kwargs)`` and
-            changes the inputs of the module's current forward rather than replacing it (PyG message passing
-            through a sparse adjacency); such an implementation may sit on a unit itself, outside its plan.
+            changes the inputs of the module's current forward, or the context it runs in, rather than replacing it
+            (PyG message passing through a sparse adjacency; ``cross_entropy_logits`` routing the loss of a whole
+            model); such an implementation may sit on a unit itself, outside its plan, or on a wrapped model, where
+            zoomem's forward calls it.
         attribute: the instance attribute it replaces: ``"forward"``, or another callable the module calls (HF's
             ``loss_function``), set through the class's property setter where there is one; ``forward`` is then
             called as with ``wraps_original``, with the attribute's previous value.
@@ -460,8 +462,7 @@ def _embedding_applies(m: nn.Module) -> bool:
 
 
 def _lm_loss_applies(m: nn.Module) -> bool:
-    """An HF model with an LM head (output embeddings), whose ``loss_function`` is a cross-entropy over the
-    vocabulary."""
+    """An HF model with an LM head (output embeddings), whose loss is a cross-entropy over the vocabulary."""
     mu = sys.modules.get("transformers.modeling_utils")
     if mu is None or not isinstance(m, mu.PreTrainedModel):
         return False
@@ -517,14 +518,15 @@ def _register_builtin() -> None:
              "Embedding that takes the weight gradient of an LM head tied to it (cross_entropy_logits' fused "
              "backward hands it over) and adds its rows in place: one vocabulary-sized gradient instead of two. "
              "Otherwise aten's own backward, bitwise; with the hand-over ~1e-7 relative."),
-        Impl("cross_entropy_logits", (nn.Module,), routed_loss,
+        Impl("cross_entropy_logits", (nn.Module,), routed_forward,
              _lm_loss_applies,
-             "HF LM heads: the loss_function's F.cross_entropy keeps the logits (the model's output) instead of "
+             "HF LM heads: the F.cross_entropy calls made after the output embeddings ran (HF's loss_function, or "
+             "nn.CrossEntropyLoss in forward: BertForMaskedLM, T5) keep the logits (the model's output) instead of "
              "the log-probabilities. Logits that are the output-embeddings Linear's output go with its input and "
              "weight to one fused backward, a slice of the vocabulary at a time (no logits-sized gradient, no "
              "log-probabilities in forward; under bf16/fp16 autocast it reads the bf16 logits, not HF's fp32 copy); "
              "others get one logits-sized gradient instead of three. Loss and gradients ~1e-7 relative.",
-             attribute="loss_function", setup=record_head),
+             wraps_original=True, setup=record_head),
     ):
         register_impl(impl)
 

@@ -11,8 +11,9 @@ same ``log_softmax`` and ``nll_loss`` kernels); the gradient differs in the last
 
 :func:`route_cross_entropy` sends ``F.cross_entropy`` calls inside a ``with`` block through it (class-index
 targets, no class weights, no label smoothing, 2-D logits needing a gradient, no autocast; anything else runs as
-it is). The ``cross_entropy_logits`` implementation (:mod:`zoomem.ops.impls`) puts it around an HF model's
-``loss_function``, HF's own hook for the loss an LM head computes inside ``forward``.
+it is). The ``cross_entropy_logits`` implementation (:mod:`zoomem.ops.impls`, :func:`routed_forward`) routes the
+calls an HF model's forward makes once its LM head has run: through HF's ``loss_function`` (GPT-2, Llama) or
+``nn.CrossEntropyLoss`` in ``forward`` itself (``BertForMaskedLM``, RoBERTa, T5).
 
 Where the logits are the output of the model's output-embeddings ``nn.Linear`` (recorded by a forward hook that
 the implementation installs, :func:`record_head`), the loss runs :class:`LinearCrossEntropy` instead: the
@@ -52,6 +53,7 @@ __all__ = [
     "route_cross_entropy",
     "cross_entropy",
     "record_head",
+    "routed_forward",
     "tied_embedding",
 ]
 
@@ -272,19 +274,49 @@ _HEAD_IO: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, int]]" = weakref
 """Output-embeddings module -> (weak output, weak input, output version) of its last training forward."""
 
 
-def _record_head_io(module: nn.Module, args: tuple, output: Any) -> None:
+def _head_ran(module: nn.Module, args: tuple, output: Any) -> None:
     if isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and output.requires_grad:
         _HEAD_IO[module] = (weakref.ref(output), weakref.ref(args[0]), output._version)
+    window = _WINDOWS.get(module)
+    if window is not None and not window.open:  # the loss comes after the head: route from here on
+        window.mode.__enter__()
+        window.open = True
+
+
+class _Window:
+    """The stretch of one model forward from its LM head's forward to the forward's end, during which
+    ``F.cross_entropy`` calls are routed (the mode is entered by the head's hook, left by :func:`routed_forward`)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        self.mode = route_cross_entropy(head)
+        self.open = False
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        depth = torch._C._len_torch_function_stack()
+        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not self.mode:
+            raise RuntimeError(
+                "zoomem: a torch function mode entered inside the model's forward after its LM head ran is still "
+                "active when the forward returns; zoomem cannot leave its loss routing without corrupting the mode "
+                "stack. Leave such a mode before the forward returns, or unwrap the model.")
+        self.mode.__exit__(None, None, None)
+
+
+_WINDOWS: "weakref.WeakKeyDictionary[nn.Module, _Window]" = weakref.WeakKeyDictionary()
+"""LM head -> the routing window of the model forward running now (set by :func:`routed_forward`)."""
 
 
 def record_head(model: nn.Module) -> Callable[[], None]:
     """Setup of the ``cross_entropy_logits`` implementation: a forward hook on ``model``'s output embeddings
-    (an ``nn.Linear``) noting, weakly, its last output and input, so the loss can tell whether the logits it gets
-    are that output (then it runs :class:`LinearCrossEntropy`). Returns the undo (the hook removed)."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
+    noting, weakly, its last output and input (so the loss can tell whether the logits it gets are that output,
+    and then run :class:`LinearCrossEntropy`), and opening the routing window of :func:`routed_forward`. Returns
+    the undo (the hook removed)."""
+    head = _output_embeddings(model)
+    if head is None:
         return lambda: None
-    handle = head.register_forward_hook(_record_head_io)
+    handle = head.register_forward_hook(_head_ran)
 
     def undo() -> None:
         handle.remove()
@@ -367,11 +399,29 @@ class route_cross_entropy(RoutingMode):
         return CrossEntropy.apply(input, target, int(ignore_index), reduction)
 
 
-def routed_loss(module: Any, loss_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """The ``cross_entropy_logits`` implementation: ``loss_function(*args, **kwargs)`` with its
-    ``F.cross_entropy`` calls routed through :func:`cross_entropy`."""
-    with route_cross_entropy(_output_embeddings(module)):
-        return loss_function(*args, **kwargs)
+def routed_forward(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The ``cross_entropy_logits`` implementation: ``model``'s forward, with the ``F.cross_entropy`` calls made
+    after its LM head (output embeddings) has run routed through :func:`cross_entropy` or
+    :class:`LinearCrossEntropy`, whether HF's ``loss_function`` makes them (GPT-2, Llama) or the forward itself
+    (``BertForMaskedLM``, T5, RoBERTa). The routing starts at the head, not with the forward: a
+    ``TorchFunctionMode`` costs every torch call it sees (about 10% of GPT-2's forward on CPU), and nothing
+    before the head is a loss over the vocabulary; nor is anything there recomputed by a unit, which runs
+    without the routing in backward."""
+    head = _output_embeddings(model)
+    if head is None:
+        return original(*args, **kwargs)
+    previous = _WINDOWS.get(head)
+    window = _WINDOWS[head] = _Window(head)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        try:
+            window.close()
+        finally:
+            if previous is not None:
+                _WINDOWS[head] = previous
+            else:
+                _WINDOWS.pop(head, None)
 
 
 def _output_embeddings(model: Any) -> nn.Module | None:

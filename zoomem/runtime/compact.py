@@ -21,7 +21,7 @@ from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
-__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "choose_impls", "install_switched", "install_all"]
+__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "choose_impls", "install_switched", "install_all", "wrap_root"]
 
 OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernorm_output", "rmsnorm_output"})
 """Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
@@ -56,8 +56,8 @@ def choose_impls(
             if owners.get(id(mod)) != {""}:
                 continue
             impls = impls_for(mod)
-            if mod is model:  # its forward is zoomem's: only implementations of another attribute (loss_function)
-                impls = [i for i in impls if i.attribute != "forward"]
+            if mod is model:  # its forward is zoomem's: only implementations that wrap it (zoomem's forward calls
+                impls = [i for i in impls if i.wraps]  # them, see ROOT) or replace another attribute
             if impls:
                 candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls[0]))
     writers: dict[str, list[str]] = {}
@@ -81,18 +81,33 @@ def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[],
 
 
 def install_switched(
-    chosen: dict[str, list[tuple[nn.Module, Impl]]], is_on: Callable[[str], bool]
-) -> list[Callable[[], None]]:
-    """Install each chosen implementation behind a switch: it runs when ``is_on(unit)`` is true."""
-    undos = []
+    chosen: dict[str, list[tuple[nn.Module, Impl]]], is_on: Callable[[str], bool], root: nn.Module | None = None
+) -> tuple[list[Callable[[], None]], list[Impl]]:
+    """Install each chosen implementation behind a switch: it runs when ``is_on(unit)`` is true. Those that wrap
+    the forward of ``root`` (a wrapped model, whose forward is zoomem's) are not put on it, where Accelerate's
+    wrappers expect a method, but returned: zoomem's forward calls them (:func:`wrap_root`) once it knows the
+    step's plan. Returns the undos (the root implementations' setups included) and those implementations."""
+    undos: list[Callable[[], None]] = []
+    on_root: list[Impl] = []
     for unit, pairs in chosen.items():
         for mod, impl in pairs:
+            if mod is root and impl.attribute == "forward":
+                undos.append(with_setup(mod, impl, lambda: None))
+                on_root.append(impl)
+                continue
             switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
             if impl.attribute == "forward":
                 undos.append(with_setup(mod, impl, set_forward(mod, switched)))
             else:
                 undos.append(with_setup(mod, impl, set_attribute(mod, impl.attribute, switched)))
-    return undos
+    return undos, on_root
+
+
+def wrap_root(root: nn.Module, impls: list[Impl], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` (the root's original) run through the implementations :func:`install_switched` returned."""
+    for impl in impls:
+        forward = functools.partial(dispatch_impl, root, impl, forward)
+    return forward
 
 
 def _switched(

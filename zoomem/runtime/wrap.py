@@ -31,11 +31,12 @@ from ..compress.quantize import GROUP_SIZE, seconds_per_byte
 from ..compress.triton_kernels import use_triton
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
+from ..ops import Impl
 from ..ops.functional import separate_masks
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN
 from .distributed import from_rank0, world_size
-from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched
+from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
 from .storage import SavedTensorStore
@@ -119,8 +120,18 @@ class _Handle:
     undo: list[Callable[[], None]] = field(default_factory=list)
     forward: Callable[..., Any] | None = None  # zoomem's model forward (a method of the model)
     impl_undos: list[Callable[[], None]] = field(default_factory=list)
+    root_impls: list[Impl] = field(default_factory=list)
+    """Implementations wrapping the model's own forward, run inside zoomem's when the plan switches on the
+    outside units' forms (:data:`OUTSIDE_UNITS`)."""
     last_graph: OpGraph | None = None
     compile_warned: bool = False
+
+    def in_force(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's ``forward`` as the plan in force runs it: through :attr:`root_impls` where it switches on the
+        forms outside the units."""
+        if self.active is not None and OUTSIDE_UNITS in self.active.compact and self.root_impls:
+            return wrap_root(self.model, self.root_impls, forward)
+        return forward
 
     def compact_on(self, unit: str) -> bool:
         """Whether the running plan switches on the memory-efficient implementations inside ``unit``."""
@@ -326,7 +337,7 @@ def cost_model(
 def install_impls(handle: "_Handle", chosen: dict[str, list]) -> None:  # type: ignore[type-arg]
     """Put the chosen implementations behind the wrapped model's per-unit switches (once per wrap)."""
     if not handle.impl_undos and any(chosen.values()):
-        handle.impl_undos = install_switched(chosen, handle.compact_on)
+        handle.impl_undos, handle.root_impls = install_switched(chosen, handle.compact_on, root=handle.model)
         handle.undo.extend(handle.impl_undos)
 
 
@@ -793,7 +804,9 @@ def wrap(
     original = model.forward
 
     def model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if handle.busy or not handle.enabled or not (model.training and torch.is_grad_enabled()):
+        if handle.busy:  # planning: a candidate plan measured runs its own model-level forms
+            return handle.in_force(original)(*args, **kwargs)
+        if not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced by torch.compile: the planned step runs as it is, uncompiled
             return planned_uncompiled(*args, **kwargs)
@@ -805,7 +818,7 @@ def wrap(
         handle.steps += 1
         try:
             with handle.active.hooks(model, batch):
-                return original(*args, **kwargs)
+                return handle.in_force(original)(*args, **kwargs)
         finally:
             if handle.active.chain is not None:
                 handle.active.chain.close()
