@@ -302,13 +302,16 @@ SWEEP_SIZES: dict[str, BenchSize] = {
     "pyg/gcn": BenchSize(1, {"num_nodes": 100_000, "num_edges": 1_000_000}),
     "timm/vit_tiny_patch16_224": BenchSize(32, _IMG224),
     "hf/bert-large-uncased": BenchSize(2, {"seq_len": 512}, {"num_hidden_layers": 4}),
+    "hf/bert-base-uncased-mlm": BenchSize(4, {"seq_len": 512}, {"num_hidden_layers": 4}),
 }
 """Default ``sweep`` sizes: batches at which activations are most of plain PyTorch's forward+backward peak while
 one step stays within seconds on a 2-core CPU. The HF layouts keep 4 of their layers (12 for BERT-base and GPT-2,
 24 for BERT-large; hidden sizes, heads, vocabularies as released) so that a step at sequence length 512 fits that
-time. ResNet-50, BERT-base, GPT-2 and the GCN are issue 3's models; ViT and BERT-large complete issue 6's set."""
+time. ResNet-50, BERT-base, GPT-2 and the GCN are issue 3's models; ViT and BERT-large complete issue 6's set;
+BERT-base with its masked-LM head (vocabulary-sized logits, as pretrained) is the classification layout's twin."""
 
 _FULL_LAYERS = {"hf/bert-base-uncased": ("num_hidden_layers", 12), "hf/gpt2": ("n_layer", 12),
+                "hf/bert-base-uncased-mlm": ("num_hidden_layers", 12),
                 "hf/bert-large-uncased": ("num_hidden_layers", 24)}
 
 SWEEP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)

@@ -65,6 +65,9 @@ HF_MODELS: dict[str, HFLayout] = {
     "bert-base-uncased": HFLayout(
         "BertConfig", "BertForSequenceClassification", {}, "BERT-base layout (12 x 768, 12 heads), classification head"
     ),
+    "bert-base-uncased-mlm": HFLayout(
+        "BertConfig", "BertForMaskedLM", {}, "BERT-base layout, masked-LM head (tied to the word embeddings), as pretrained"
+    ),
     "bert-large-uncased": HFLayout(
         "BertConfig",
         "BertForSequenceClassification",
