@@ -381,6 +381,25 @@ def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, monkeypa
     assert grads1[0].view(12, 16)[[2, 7]].abs().sum() == 0  # ignored rows send nothing to the hidden states
 
 
+@pytest.mark.parametrize("ignored", ["most", "all"])
+def test_linear_cross_entropy_leaves_ignored_rows_out(ignored: str) -> None:
+    """Rows whose target is ignored carry no gradient: the backward leaves them out of its products (an MLM batch
+    labels ~15% of its tokens) and their input gradient is exactly zero, as stock's is."""
+    hidden, weight, b, target = _head_inputs(True)
+    target[1:] = -100 if ignored == "most" else target[1:]
+    if ignored == "all":
+        target[:] = -100
+    grads = []
+    for ours in (False, True):
+        logits = F.linear(hidden, weight, b).view(-1, 50)
+        loss = (LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, "sum") if ours
+                else F.cross_entropy(logits, target, reduction="sum"))
+        grads.append(torch.autograd.grad(loss, (hidden, weight, b)))
+    for stock, ours in zip(*grads):
+        assert rel(ours, stock) < 1e-6 if stock.any() else torch.equal(ours, stock)
+    assert not grads[1][0].view(12, 16)[1:].any()
+
+
 def test_linear_cross_entropy_gradgradcheck() -> None:
     hidden, weight, b, target = _head_inputs(True, torch.float64)
     for reduction in ("mean", "none"):

@@ -172,18 +172,27 @@ def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weig
     ``g`` is formed in the loss's precision (fp32 for bf16/fp16 logits); the products run in the logits' dtype,
     that of the head's matmul (bf16 under autocast: ``g``, ``h`` and the weight's slice cast to it, as autocast's
     backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and ``grad_b`` come back in
-    that precision, ``grad_w`` in the weight's dtype."""
+    that precision, ``grad_w`` in the weight's dtype. Rows without a gradient (ignored targets) are left out of
+    every product: masked-LM batches label about 15% of their tokens, so the head's two backward matmuls shrink
+    by as much."""
     mdt, cdt = logits.dtype, lse.dtype
     same = mdt == cdt == weight.dtype == h.dtype
-    grad_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty(weight.shape[0], dtype=cdt, device=weight.device) if need_b else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    rows = (scale != 0).nonzero().squeeze(1)  # rows with a gradient: an MLM batch labels ~15% of its tokens
+    if rows.numel() == logits.shape[0]:
+        rows = None
+    else:  # the others' rows of g are zero: skip them in every product (their grad_h rows stay exactly zero)
+        full_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
+        h, lse, safe, scale = h.index_select(0, rows), lse[rows], safe[rows], scale[rows]
+    grad_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
     hm = h if same else h.to(mdt)
     vocab = logits.shape[1]
-    cols = _slices(vocab, logits.shape[0], h.shape[1])
-    row_ids = torch.arange(logits.shape[0], device=logits.device)
+    cols = _slices(vocab, h.shape[0], h.shape[1])
+    row_ids = torch.arange(h.shape[0], device=logits.device)
     for v in range(0, vocab, cols):
-        g = torch.sub(logits[:, v:v + cols].to(cdt), lse.unsqueeze(1)).exp_()
+        part = logits[:, v:v + cols] if rows is None else logits[:, v:v + cols].index_select(0, rows)
+        g = torch.sub(part.to(cdt), lse.unsqueeze(1)).exp_()
         hit = (safe >= v) & (safe < v + g.shape[1])
         g.index_put_((row_ids[hit], safe[hit] - v), g.new_full((), -1.0), accumulate=True)
         g.mul_(scale.unsqueeze(1))
@@ -200,6 +209,8 @@ def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weig
             grad_h.add_(torch.mm(g, weight[v:v + cols].to(mdt)))
         if grad_w is not None:
             grad_w[v:v + cols].copy_(torch.mm(g.t(), hm))
+    if rows is not None and grad_h is not None:
+        grad_h = full_h.index_copy_(0, rows, grad_h)
     return grad_h, grad_w, grad_b
 
 
