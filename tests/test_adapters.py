@@ -195,6 +195,13 @@ def test_hf_example_batches_by_head() -> None:
     assert tuple(b.kwargs["labels"].shape) == (2, 64)
     assert torch.equal(b.kwargs["decoder_input_ids"][:, 1:], b.kwargs["labels"][:, :-1])
 
+    mlm, a = zoo.build("hf/bert-base-uncased-mlm", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                       intermediate_size=64)
+    b = a.example_batch(mlm, 8, seq_len=128)
+    labels, ids = b.kwargs["labels"], b.kwargs["input_ids"]
+    picked = labels != -100  # as HF's MLM collator labels them: ~15% of the tokens, the input's ids there
+    assert 0.08 < float(picked.float().mean()) < 0.3 and picked[:, 0].all() and torch.equal(labels[picked], ids[picked])
+
     vit, a, b = zoo.small("hf/vit-base-patch16-224")
     assert tuple(b.kwargs["pixel_values"].shape) == (2, 3, 64, 64) and int(b.kwargs["labels"].max()) < 10
 

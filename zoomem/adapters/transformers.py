@@ -108,6 +108,10 @@ if _hf_loaded():
     _register_layers()
 
 
+MLM_PROBABILITY = 0.15
+"""Share of the tokens a masked-LM example batch labels (``DataCollatorForLanguageModeling``'s default)."""
+
+
 def _checkpointing_layer() -> type | None:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -181,7 +185,8 @@ class TransformersAdapter(Adapter):
 
         Returns:
             ``Batch(kwargs={input, attention_mask?, labels?, use_cache=False?}, target=None)``: labels are
-            ``(b,)`` class ids for sequence/image classification, ``input_ids`` for causal/masked LMs,
+            ``(b,)`` class ids for sequence/image classification, ``input_ids`` for causal LMs, ``input_ids`` at
+            :data:`MLM_PROBABILITY` of the positions (``-100`` elsewhere, as HF's MLM collator makes) for masked LMs,
             ``(b, seq_len)`` random ids for encoder-decoder LMs (with ``decoder_input_ids``, the labels shifted right), none
             for base models without a head.
 
@@ -234,6 +239,11 @@ class TransformersAdapter(Adapter):
                     kwargs["labels"] = torch.randint(0, num_labels, (batch_size,), device=device)
             elif cls_name.endswith("ForTokenClassification") and length is not None:
                 kwargs["labels"] = torch.randint(0, num_labels, (batch_size, length), device=device)
+            elif cls_name.endswith("ForMaskedLM") and "input_ids" in kwargs:  # as HF's MLM collator labels them
+                ids = kwargs["input_ids"]
+                picked = torch.rand(ids.shape, device=device) < MLM_PROBABILITY
+                picked[:, 0] = True  # at least one label per sequence
+                kwargs["labels"] = torch.where(picked, ids, torch.full_like(ids, -100))
             elif cls_name.endswith(_LM_HEADS) and "input_ids" in kwargs:
                 kwargs["labels"] = kwargs["input_ids"].clone()
             else:
