@@ -476,3 +476,23 @@ def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
     model.eval()
     with torch.no_grad():  # (BatchNorm statistics moved with the two steps: compare with the model itself)
         assert torch.equal(compiled(*batch.args), model(*batch.args))
+
+
+def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks() -> None:
+    """A ``recompute_cheap`` unit's cached matmul outputs stay exact and out of zoomem's saved-tensor store (the
+    planner counts them so), chosen explicitly: torch warns that its default will flip."""
+    import warnings
+
+    from zoomem.runtime.units import run_unit
+
+    unit = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    packed: list[torch.Size] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            y = run_unit(unit, unit.forward, Decision.RECOMPUTE_CHEAP, (x,), {})
+        y.sum().backward()
+    assert packed == [x.shape]  # the checkpoint's input only, not the two linears' outputs
+    (ref,) = torch.autograd.grad(unit(x).sum(), x)
+    assert torch.equal(x.grad, ref)

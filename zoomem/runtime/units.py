@@ -95,5 +95,9 @@ def run_unit(
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=_context_fn(module, decision, replay),
+        # what RECOMPUTE_CHEAP keeps (matmul/conv outputs, cached by selective checkpointing) stays exact and
+        # outside zoomem's saved-tensor store, as the planner counts it; explicit, because torch warns that its
+        # default will flip to routing those tensors through the surrounding hooks
+        respect_saved_tensors_hooks=False,
         **kwargs,
     )
