@@ -100,6 +100,7 @@ BASELINE_SIZES: dict[str, BenchSize] = {
     "hf/gpt2": BenchSize(4, {"seq_len": 128}),
     "hf/llama": BenchSize(4, {"seq_len": 128}),
     "hf/t5-small": BenchSize(8, {"seq_len": 128}),
+    "hf/bart-base": BenchSize(8, {"seq_len": 128}),
     "hf/vit-base-patch16-224": BenchSize(4, _IMG224),
     "pyg/gcn": _GRAPH20K,
     "pyg/gat": _GRAPH20K,

@@ -195,6 +195,10 @@ def test_hf_example_batches_by_head() -> None:
     assert tuple(b.kwargs["labels"].shape) == (2, 64)
     assert torch.equal(b.kwargs["decoder_input_ids"][:, 1:], b.kwargs["labels"][:, :-1])
 
+    bart, a, b = zoo.small("hf/bart-base")  # labels shifted right behind its decoder start token, no KV cache
+    assert tuple(b.kwargs["labels"].shape) == (2, 64) and b.kwargs["use_cache"] is False
+    assert torch.equal(b.kwargs["decoder_input_ids"][:, 1:], b.kwargs["labels"][:, :-1])
+
     mlm, a = zoo.build("hf/bert-base-uncased-mlm", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                        intermediate_size=64)
     b = a.example_batch(mlm, 8, seq_len=128)

@@ -311,9 +311,18 @@ def _grads_close(stock: nn.Module, ours: nn.Module, tol: float = 1e-5) -> None:
 
 
 def _mlm_models() -> list[tuple[str, Callable[[], nn.Module]]]:
-    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+    from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, BertForMaskedLM, T5Config,
+                              T5ForConditionalGeneration)
+
+    def bart() -> nn.Module:
+        model = BartForConditionalGeneration(BartConfig(
+            encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=300, max_position_embeddings=64))
+        model.final_logits_bias.normal_()  # zeros as initialised: the loss must read it all the same
+        return model
 
     return [
+        ("bart", bart),
         ("bert_mlm", lambda: BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                                                         intermediate_size=64, vocab_size=300))),
         ("t5", lambda: T5ForConditionalGeneration(T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16,
@@ -322,10 +331,11 @@ def _mlm_models() -> list[tuple[str, Callable[[], nn.Module]]]:
     ]
 
 
-@pytest.mark.parametrize("name", ["bert_mlm", "t5"])
+@pytest.mark.parametrize("name", ["bert_mlm", "t5", "bart"])
 def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str) -> None:
-    """BertForMaskedLM and T5 call ``nn.CrossEntropyLoss`` in ``forward`` (on a view of the logits), not HF's
-    ``loss_function``: the loss is fused all the same, with stock's values and gradients (ignored labels too)."""
+    """BertForMaskedLM, T5 and BART call ``nn.CrossEntropyLoss`` in ``forward`` (on a view of the logits), not
+    HF's ``loss_function``: the loss is fused all the same, with stock's values and gradients (ignored labels too;
+    BART's logits are the head's output plus its ``final_logits_bias`` buffer)."""
     torch.manual_seed(0)
     stock = dict(_mlm_models())[name]().train()
     ours = copy.deepcopy(stock)
@@ -409,6 +419,13 @@ def test_linear_cross_entropy_gradgradcheck() -> None:
 
         assert torch.autograd.gradcheck(f, (hidden, weight, b))
         assert torch.autograd.gradgradcheck(f, (hidden, weight, b))
+    const = torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def g(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # logits = head's output + a constant (BART's)
+        logits = (F.linear(h, w) + const).view(-1, 50).detach()
+        return LinearCrossEntropy.apply(logits, h, w, None, target, -100, "mean")
+
+    assert torch.autograd.gradgradcheck(g, (hidden, weight))
 
 
 class _Head(nn.Module):
@@ -428,6 +445,10 @@ class _Head(nn.Module):
         elif edit == "copy":
             logits = logits * 1.0
         with route_cross_entropy(self.lm_head):  # HF upcasts bf16/fp16 logits before the loss
+            if edit == "add_buffer":  # BART's final_logits_bias, added inside the routing window
+                logits = logits + torch.linspace(-1, 1, logits.shape[-1])
+            elif edit == "add_learned":
+                logits = logits + torch.linspace(-1, 1, logits.shape[-1], requires_grad=True)
             return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target)
 
 
@@ -437,8 +458,16 @@ def test_fused_head_only_for_the_heads_own_unchanged_output() -> None:
     undo = L.record_head(model)
     try:
         assert model(hidden, target)[1].grad_fn.name() == "LinearCrossEntropyBackward"
-        for edit in ("inplace", "copy"):  # logits changed after the head: keep them, the head's input says nothing
+        for edit in ("inplace", "copy", "add_learned"):  # logits changed after the head: keep them
             assert model(hidden, target, edit)[1].grad_fn.name() == "CrossEntropyBackward"
+        loss = model(hidden, target, "add_buffer")[1]  # plus a constant: the same gradient, fused
+        assert loss.grad_fn.name() == "LinearCrossEntropyBackward"
+        logits = model.lm_head(hidden) + torch.linspace(-1, 1, 64)
+        ref = F.cross_entropy(logits.view(-1, 64), target)
+        assert rel(loss, ref) < 1e-6
+        for a, b in zip(torch.autograd.grad(loss, (hidden, model.lm_head.weight)),
+                        torch.autograd.grad(ref, (hidden, model.lm_head.weight))):
+            assert rel(a, b) < 1e-6
     finally:
         undo()
     assert model(hidden, target)[1].grad_fn.name() == "CrossEntropyBackward"  # nothing recorded any more

@@ -70,7 +70,7 @@ def test_matrix_covers_every_zoo_and_has_small_variants() -> None:
     assert zoo.small_overrides("timm/vit_tiny_patch16_224")["img_size"] == 64
     assert zoo.small_overrides("timm/not-in-table") == {}
     listed = zoo.list_models()
-    for mid in ("hf/bert-base-uncased", "hf/bert-large-uncased", "hf/gpt2", "hf/llama", "hf/t5-small",
+    for mid in ("hf/bert-base-uncased", "hf/bert-large-uncased", "hf/gpt2", "hf/llama", "hf/t5-small", "hf/bart-base",
                 "hf/vit-base-patch16-224", "pyg/gcn", "pyg/gat", "pyg/sage", "pyg/gin", "timm/resnet50"):
         assert mid in listed
 

@@ -62,6 +62,13 @@ class HFLayout:
 
 
 HF_MODELS: dict[str, HFLayout] = {
+    "bart-base": HFLayout(
+        "BartConfig",
+        "BartForConditionalGeneration",
+        {"d_model": 768, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 12,
+         "decoder_attention_heads": 12, "encoder_ffn_dim": 3072, "decoder_ffn_dim": 3072},
+        "BART-base layout (6+6 x 768, 12 heads), encoder-decoder LM head with its final_logits_bias",
+    ),
     "bert-base-uncased": HFLayout(
         "BertConfig", "BertForSequenceClassification", {}, "BERT-base layout (12 x 768, 12 heads), classification head"
     ),
@@ -146,6 +153,12 @@ SMALL: dict[str, SmallSpec] = {
     ),
     "hf/t5-small": SmallSpec(
         {"num_layers": 2, "num_decoder_layers": 2, "d_model": 128, "d_kv": 32, "num_heads": 4, "d_ff": 512},
+        2,
+        _TEXT_SIZES,
+    ),
+    "hf/bart-base": SmallSpec(
+        {"encoder_layers": 2, "decoder_layers": 2, "d_model": 128, "encoder_attention_heads": 4,
+         "decoder_attention_heads": 4, "encoder_ffn_dim": 512, "decoder_ffn_dim": 512},
         2,
         _TEXT_SIZES,
     ),

@@ -13,11 +13,12 @@ same ``log_softmax`` and ``nll_loss`` kernels); the gradient differs in the last
 targets, no class weights, no label smoothing, 2-D logits needing a gradient, no autocast; anything else runs as
 it is). The ``cross_entropy_logits`` implementation (:mod:`zoomem.ops.impls`, :func:`routed_forward`) routes the
 calls an HF model's forward makes once its LM head has run: through HF's ``loss_function`` (GPT-2, Llama) or
-``nn.CrossEntropyLoss`` in ``forward`` itself (``BertForMaskedLM``, RoBERTa, T5).
+``nn.CrossEntropyLoss`` in ``forward`` itself (``BertForMaskedLM``, RoBERTa, T5, BART).
 
 Where the logits are the output of the model's output-embeddings ``nn.Linear`` (recorded by a forward hook that
 the implementation installs, :func:`record_head`), the loss runs :class:`LinearCrossEntropy` instead: the
-gradient goes straight to the head's input and weight, a slice of the vocabulary at a time, so no logits-sized
+gradient goes straight to the head's input and weight, a slice of the vocabulary at a time (logits that are that
+output plus a constant, as BART's ``final_logits_bias``, count as that output), so no logits-sized
 gradient ever exists (GPT-2 at batch 2, sequence 512: 196 MiB less at the head's backward, and no 196 MiB of
 log-probabilities in forward). Its loss and gradients differ from stock's in the last bits (~1e-7 relative).
 Under bf16/fp16 autocast, or with bf16/fp16 weights, HF's loss first upcasts the head's logits to an fp32 copy
@@ -153,7 +154,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
             hc, wc = h.to(lse.dtype), weight.to(lse.dtype)
-            g = torch.softmax(F.linear(hc, wc, bias.to(lse.dtype) if bias is not None else None), 1)
+            z = F.linear(hc, wc, bias.to(lse.dtype) if bias is not None else None)
+            # the saved logits' values (a constant added after the head, BART's final_logits_bias, included),
+            # the recomputed ones' graph
+            g = torch.softmax(logits.to(lse.dtype) + (z - z.detach()), 1)
             g = (g - torch.zeros_like(g).scatter(1, safe.unsqueeze(1), 1.0)) * scale.unsqueeze(1)
             grad_h = _kernel_value(grad_h, g @ wc if need_h else None)
             grad_w = _kernel_value(grad_w, g.t() @ hc if need_w else None)
@@ -372,6 +376,26 @@ def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor
     return hidden, head, out.view(logits.shape)
 
 
+_ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+
+
+def _note_constant_added(head: nn.Module, result: Any, args: tuple, kwargs: dict) -> Any:
+    """After ``head``'s output ``+ c`` with a ``c`` that needs no gradient (BART, mBART, Marian and Pegasus add
+    their ``final_logits_bias`` buffer to the LM head's output), the sum stands for the head's output: its gradient
+    is the output's, so the fused loss may read the sum as its logits (the output itself is then freed)."""
+    record = _HEAD_IO.get(head)
+    out = record[0]() if record is not None else None
+    if (out is None or len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}
+            or not isinstance(result, torch.Tensor) or out._version != record[2]):
+        return result
+    other = args[1] if args[0] is out else args[0] if args[1] is out else None
+    if (other is None or (isinstance(other, torch.Tensor) and other.requires_grad)
+            or result.shape != out.shape or result.dtype != out.dtype):
+        return result
+    _HEAD_IO[head] = (weakref.ref(result), record[1], result._version)
+    return result
+
+
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   reduction: str = "mean") -> torch.Tensor:
     """``F.cross_entropy`` keeping the logits instead of the log-probabilities (see the module docstring).
@@ -392,6 +416,11 @@ class route_cross_entropy(RoutingMode):
     def __init__(self, head: nn.Module | None = None) -> None:
         super().__init__()
         self.head = head  # the model's output embeddings: logits that are its output go through LinearCrossEntropy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _ADDS and self.head is not None:
+            return _note_constant_added(self.head, func(*args, **(kwargs or {})), args, kwargs or {})
+        return super().__torch_function__(func, types, args, kwargs)
 
     def route(self, input: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
               reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
