@@ -304,16 +304,19 @@ SWEEP_SIZES: dict[str, BenchSize] = {
     "timm/vit_tiny_patch16_224": BenchSize(32, _IMG224),
     "hf/bert-large-uncased": BenchSize(2, {"seq_len": 512}, {"num_hidden_layers": 4}),
     "hf/bert-base-uncased-mlm": BenchSize(4, {"seq_len": 512}, {"num_hidden_layers": 4}),
+    "hf/bart-base": BenchSize(4, {"seq_len": 512}, {"encoder_layers": 2, "decoder_layers": 2}),
 }
 """Default ``sweep`` sizes: batches at which activations are most of plain PyTorch's forward+backward peak while
 one step stays within seconds on a 2-core CPU. The HF layouts keep 4 of their layers (12 for BERT-base and GPT-2,
 24 for BERT-large; hidden sizes, heads, vocabularies as released) so that a step at sequence length 512 fits that
 time. ResNet-50, BERT-base, GPT-2 and the GCN are issue 3's models; ViT and BERT-large complete issue 6's set;
-BERT-base with its masked-LM head (vocabulary-sized logits, as pretrained) is the classification layout's twin."""
+BERT-base with its masked-LM head (vocabulary-sized logits, as pretrained) is the classification layout's twin;
+BART-base (2+2 of its 6+6 layers) the encoder-decoder whose loss reads the head's output plus a bias buffer."""
 
 _FULL_LAYERS = {"hf/bert-base-uncased": ("num_hidden_layers", 12), "hf/gpt2": ("n_layer", 12),
                 "hf/bert-base-uncased-mlm": ("num_hidden_layers", 12),
                 "hf/bert-large-uncased": ("num_hidden_layers", 24)}
+_FULL_ENC_DEC = {"hf/bart-base": (("encoder_layers", 6), ("decoder_layers", 6))}
 
 SWEEP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 """zoomem ILP budgets, as fractions of plain PyTorch's forward+backward peak (the one zoomem's trace measures)."""
@@ -578,6 +581,10 @@ def _layers_note(model_id: str, spec: BenchSize, quick: bool) -> str:
         key, full = _FULL_LAYERS[model_id]
         n = spec.overrides.get(key, full)
         return f"{n} of {full} layers" if n != full else f"{full} layers"
+    if model_id in _FULL_ENC_DEC:
+        (ek, ef), (dk, df) = _FULL_ENC_DEC[model_id]
+        e, d = spec.overrides.get(ek, ef), spec.overrides.get(dk, df)
+        return f"{e}+{d} of {ef}+{df} layers" if (e, d) != (ef, df) else f"{ef}+{df} layers"
     return "full layout"
 
 
