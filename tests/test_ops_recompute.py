@@ -501,24 +501,34 @@ def test_fused_head_lowers_the_forward_and_backward_peaks(monkeypatch: pytest.Mo
     assert bwd0 - bwd1 >= 0.8 * logits.nbytes  # and no logits-sized gradient at the head's backward (slices of 1/16)
 
 
-@pytest.mark.parametrize("mode", ["autocast", "bf16_model"])
-def test_fused_head_in_low_precision_matches_stock(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["autocast", "bf16_model", "bart_autocast"])
+def test_fused_head_in_low_precision_matches_stock(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under bf16 autocast, or with bf16 weights, HF's loss upcasts the head's logits to an fp32 copy; the fused
-    loss reads the bf16 logits themselves (softmax in fp32, the products in bf16, as autocast's backward runs)."""
-    stock = _tiny_gpt2()
+    loss reads the bf16 logits themselves (softmax in fp32, the products in bf16, as autocast's backward runs).
+    BART adds its fp32 ``final_logits_bias`` to the bf16 logits, an fp32 sum: read that, products still bf16."""
+    if mode == "bart_autocast":
+        stock = dict(_mlm_models())["bart"]()
+    else:
+        stock = _tiny_gpt2()
     if mode == "bf16_model":
         stock = stock.to(torch.bfloat16)
     ours = copy.deepcopy(stock)
-    undos = [install_impl(ours, "cross_entropy_logits"), install_impl(ours.transformer.wte, "embedding_tied_grad")]
+    undos = [install_impl(ours, "cross_entropy_logits")]
+    if mode != "bart_autocast":
+        undos.append(install_impl(ours.transformer.wte, "embedding_tied_grad"))
+    products = []
+    real = L._sliced_grads
+    monkeypatch.setattr(L, "_sliced_grads", lambda *a: products.append(a[-1]) or real(*a))
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     losses = []
     for m in (stock, ours):
         torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "bf16_model"):
             loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss)
     assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward" and losses[1].dtype == torch.float32
+    assert products == [torch.bfloat16 if mode == "bart_autocast" else None]  # else the bf16 logits' own dtype
     assert rel(losses[1], losses[0]) < 1e-5
     for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
         assert b.grad.dtype == a.grad.dtype and rel(b.grad.float(), a.grad.float()) < 1e-3, n

@@ -121,7 +121,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     what the head's own ``Linear`` keeps). Twice differentiable (``create_graph`` recomputes the logits)."""
 
     @staticmethod
-    def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction):  # type: ignore[override]
+    def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction,  # type: ignore[override]
+                matmul_dtype=None):
         cdt = _compute_dtype(logits)
         rows = _slices(logits.shape[0], logits.shape[1], 1)
         lse = torch.empty(logits.shape[0], dtype=cdt, device=logits.device)
@@ -136,6 +137,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         else:
             loss = nll.sum() if reduction == "sum" else nll
         ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
+        ctx.matmul_dtype = matmul_dtype
         ctx.embedding = _tied_embedding_node(hidden, weight) if weight.requires_grad else None
         ctx.save_for_backward(logits, lse, hidden, weight, bias, target)
         ctx.exact_reads = (0, 1)  # both reach the gradient through exp() (zoomem.runtime.probe)
@@ -149,7 +151,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, lse.dtype)
         h = hidden.reshape(-1, hidden.shape[-1])
         with torch.no_grad():
-            grad_h, grad_w, grad_b = _sliced_grads(logits, lse, h, weight, safe, scale, need_h, need_w, need_b)
+            grad_h, grad_w, grad_b = _sliced_grads(logits, lse, h, weight, safe, scale, need_h, need_w, need_b,
+                                                   ctx.matmul_dtype)
             grad_h = grad_h.to(hidden.dtype) if grad_h is not None else None
             grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
@@ -165,21 +168,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         elif grad_w is not None and ctx.embedding is not None:  # the tied embedding's backward adds to it, returns it
             ctx.embedding.pending = (torch._C._current_graph_task_id(), grad_w)
             grad_w = None
-        return None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None
+        return None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None, None
 
 
 def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor,
-                  scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool) -> tuple[torch.Tensor | None, ...]:
+                  scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool,
+                  matmul_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :class:`LinearCrossEntropy`'s inputs, ``(softmax - onehot) * scale`` formed a slice of
     the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``.
 
     ``g`` is formed in the loss's precision (fp32 for bf16/fp16 logits); the products run in the logits' dtype,
-    that of the head's matmul (bf16 under autocast: ``g``, ``h`` and the weight's slice cast to it, as autocast's
-    backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and ``grad_b`` come back in
+    that of the head's matmul (``matmul_dtype``, else the logits' dtype; bf16 under autocast: ``g``, ``h`` and the
+    weight's slice cast to it, as autocast's backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and ``grad_b`` come back in
     that precision, ``grad_w`` in the weight's dtype. Rows without a gradient (ignored targets) are left out of
     every product: masked-LM batches label about 15% of their tokens, so the head's two backward matmuls shrink
     by as much."""
-    mdt, cdt = logits.dtype, lse.dtype
+    mdt, cdt = matmul_dtype or logits.dtype, lse.dtype
     same = mdt == cdt == weight.dtype == h.dtype
     grad_b = torch.empty(weight.shape[0], dtype=cdt, device=weight.device) if need_b else None
     grad_w = torch.empty_like(weight) if need_w else None
@@ -285,13 +289,14 @@ def _tied_embedding_node(hidden: torch.Tensor, weight: torch.Tensor) -> Any:
     return None
 
 
-_HEAD_IO: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, int]]" = weakref.WeakKeyDictionary()
-"""Output-embeddings module -> (weak output, weak input, output version) of its last training forward."""
+_HEAD_IO: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any, int, Any]]" = weakref.WeakKeyDictionary()
+"""Output-embeddings module -> (weak output, weak input, output version, the head's dtype where the output is an
+fp32 sum of its bf16/fp16 result and a constant, else ``None``) of its last training forward."""
 
 
 def _head_ran(module: nn.Module, args: tuple, output: Any) -> None:
     if isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and output.requires_grad:
-        _HEAD_IO[module] = (weakref.ref(output), weakref.ref(args[0]), output._version)
+        _HEAD_IO[module] = (weakref.ref(output), weakref.ref(args[0]), output._version, None)
     window = _WINDOWS.get(module)
     if window is not None and not window.open:  # the loss comes after the head: route from here on
         window.mode.__enter__()
@@ -344,14 +349,14 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
-def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor, nn.Linear, torch.Tensor] | None:
-    """``(hidden, head, rows)`` when the 2-D ``logits`` are, unchanged, the rows of ``head``'s last output, or
-    their upcast copy (``.float()`` of bf16/fp16 logits, as HF's losses make): ``rows`` is the output itself,
-    viewed ``[N, V]``."""
+def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor, nn.Linear, torch.Tensor, Any] | None:
+    """``(hidden, head, rows, matmul dtype)`` when the 2-D ``logits`` are, unchanged, the rows of ``head``'s last
+    output, or their upcast copy (``.float()`` of bf16/fp16 logits, as HF's losses make): ``rows`` is the output
+    itself, viewed ``[N, V]``; the products of the backward run in the matmul dtype (``None``: the rows')."""
     record = _HEAD_IO.get(head) if head is not None else None
     if record is None:
         return None
-    out, hidden = record[0](), record[1]()
+    out, hidden, head_dtype = record[0](), record[1](), record[3] or None
     if (out is None or hidden is None or not isinstance(head, nn.Linear) or out._version != record[2]
             or not out.is_contiguous() or logits.shape != (out.numel() // out.shape[-1], out.shape[-1])
             or hidden.shape[:-1] != out.shape[:-1] or head.weight.shape != (out.shape[-1], hidden.shape[-1])):
@@ -367,13 +372,13 @@ def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor
                 or out.dtype not in (torch.bfloat16, torch.float16) or root.dtype != torch.float32):
             return None
     if torch.is_autocast_enabled(out.device.type):  # the head ran in autocast's dtype, whatever its operands'
-        if out.dtype != torch.get_autocast_dtype(out.device.type):
+        if (head_dtype or out.dtype) != torch.get_autocast_dtype(out.device.type):
             return None
-    elif hidden.dtype != out.dtype or head.weight.dtype != out.dtype or not out.is_floating_point():
+    elif head_dtype is not None or hidden.dtype != out.dtype or head.weight.dtype != out.dtype or not out.is_floating_point():
         return None
     if same and out.dtype not in (torch.float32, torch.float64):
         return None  # a loss over bf16 logits as they are: stock's precision, not this one's
-    return hidden, head, out.view(logits.shape)
+    return hidden, head, out.view(logits.shape), head_dtype
 
 
 _ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
@@ -389,10 +394,16 @@ def _note_constant_added(head: nn.Module, result: Any, args: tuple, kwargs: dict
             or not isinstance(result, torch.Tensor) or out._version != record[2]):
         return result
     other = args[1] if args[0] is out else args[0] if args[1] is out else None
-    if (other is None or (isinstance(other, torch.Tensor) and other.requires_grad)
-            or result.shape != out.shape or result.dtype != out.dtype):
+    if (other is None or (isinstance(other, torch.Tensor) and other.requires_grad) or result.shape != out.shape
+            or record[3] is not None):
         return result
-    _HEAD_IO[head] = (weakref.ref(result), record[1], result._version)
+    if result.dtype == out.dtype:
+        head_dtype = None
+    elif out.dtype in (torch.bfloat16, torch.float16) and result.dtype == torch.float32:
+        head_dtype = out.dtype  # bf16 logits (autocast) plus an fp32 buffer: an fp32 sum, the head's products bf16
+    else:
+        return result
+    _HEAD_IO[head] = (weakref.ref(result), record[1], result._version, head_dtype)
     return result
 
 
@@ -431,9 +442,9 @@ class route_cross_entropy(RoutingMode):
             return None
         fused = _head_of(input, self.head)
         if fused is not None:  # the logits as the head made them (bf16 under autocast), not HF's fp32 copy
-            hidden, head, logits = fused
+            hidden, head, logits, matmul_dtype = fused
             return LinearCrossEntropy.apply(logits.detach(), hidden, head.weight, head.bias, target,
-                                            int(ignore_index), reduction)
+                                            int(ignore_index), reduction, matmul_dtype)
         if input.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(input.device.type):
             return None
         return CrossEntropy.apply(input, target, int(ignore_index), reduction)
