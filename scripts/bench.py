@@ -1332,6 +1332,8 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
         (bar.write if bar is not None else print)(f"{model_id}: {msg}", file=sys.stderr)
 
     spec = _spec_of(model_id, args.quick, COMPRESS_SIZES)
+    if args.batch:
+        spec = BenchSize(args.batch, dict(spec.sizes), dict(spec.overrides))
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model, adapter = zoo.build(model_id, **spec.overrides)
@@ -2112,6 +2114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the zoo.small variants, budgets 80%% and 50%% (and the minimum), 2 timed steps "
                    "(seconds; for tests)")
     p.add_argument("--models", nargs="+", metavar="ID", help=f"model ids (default: {' '.join(COMPRESS_SIZES)})")
+    p.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="batch size for every model instead of its COMPRESS_SIZES one (default: those)")
     p.add_argument("--levels", nargs="+", default=list(COMPRESS_LEVELS), choices=list(COMPRESS_LEVELS),
                    metavar="LEVEL", help="levels to measure (default: %(default)s)")
     p.add_argument("--fractions", nargs="+", type=float, metavar="F",
