@@ -313,10 +313,11 @@ time. ResNet-50, BERT-base, GPT-2 and the GCN are issue 3's models; ViT and BERT
 BERT-base with its masked-LM head (vocabulary-sized logits, as pretrained) is the classification layout's twin;
 BART-base (2+2 of its 6+6 layers) the encoder-decoder whose loss reads the head's output plus a bias buffer."""
 
-_FULL_LAYERS = {"hf/bert-base-uncased": ("num_hidden_layers", 12), "hf/gpt2": ("n_layer", 12),
-                "hf/bert-base-uncased-mlm": ("num_hidden_layers", 12),
-                "hf/bert-large-uncased": ("num_hidden_layers", 24)}
-_FULL_ENC_DEC = {"hf/bart-base": (("encoder_layers", 6), ("decoder_layers", 6))}
+_FULL_LAYERS = {"hf/bert-base-uncased": (("num_hidden_layers", 12),), "hf/gpt2": (("n_layer", 12),),
+                "hf/bert-base-uncased-mlm": (("num_hidden_layers", 12),),
+                "hf/bert-large-uncased": (("num_hidden_layers", 24),),
+                "hf/bart-base": (("encoder_layers", 6), ("decoder_layers", 6))}
+"""Layer-count fields of the HF layouts and their released values (encoder and decoder for BART)."""
 
 SWEEP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 """zoomem ILP budgets, as fractions of plain PyTorch's forward+backward peak (the one zoomem's trace measures)."""
@@ -578,13 +579,10 @@ def _layers_note(model_id: str, spec: BenchSize, quick: bool) -> str:
     if quick:
         return "zoo.small variant"
     if model_id in _FULL_LAYERS:
-        key, full = _FULL_LAYERS[model_id]
-        n = spec.overrides.get(key, full)
-        return f"{n} of {full} layers" if n != full else f"{full} layers"
-    if model_id in _FULL_ENC_DEC:
-        (ek, ef), (dk, df) = _FULL_ENC_DEC[model_id]
-        e, d = spec.overrides.get(ek, ef), spec.overrides.get(dk, df)
-        return f"{e}+{d} of {ef}+{df} layers" if (e, d) != (ef, df) else f"{ef}+{df} layers"
+        full = [f for _, f in _FULL_LAYERS[model_id]]
+        used = [spec.overrides.get(k, f) for k, f in _FULL_LAYERS[model_id]]
+        text = lambda ns: "+".join(map(str, ns))  # noqa: E731
+        return f"{text(used)} of {text(full)} layers" if used != full else f"{text(full)} layers"
     return "full layout"
 
 

@@ -177,10 +177,10 @@ def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weig
     """The gradients of :class:`LinearCrossEntropy`'s inputs, ``(softmax - onehot) * scale`` formed a slice of
     the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``.
 
-    ``g`` is formed in the loss's precision (fp32 for bf16/fp16 logits); the products run in the logits' dtype,
-    that of the head's matmul (``matmul_dtype``, else the logits' dtype; bf16 under autocast: ``g``, ``h`` and the
-    weight's slice cast to it, as autocast's backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and ``grad_b`` come back in
-    that precision, ``grad_w`` in the weight's dtype. Rows without a gradient (ignored targets) are left out of
+    ``g`` is formed in the loss's precision (fp32 for bf16/fp16 logits); the products run in the head's matmul
+    dtype (``matmul_dtype``, else the logits' dtype; bf16 under autocast: ``g``, ``h`` and the weight's slice cast
+    to it, as autocast's backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and
+    ``grad_b`` come back in that precision, ``grad_w`` in the weight's dtype. Rows without a gradient (ignored targets) are left out of
     every product: masked-LM batches label about 15% of their tokens, so the head's two backward matmuls shrink
     by as much."""
     mdt, cdt = matmul_dtype or logits.dtype, lse.dtype
@@ -356,7 +356,7 @@ def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor
     record = _HEAD_IO.get(head) if head is not None else None
     if record is None:
         return None
-    out, hidden, head_dtype = record[0](), record[1](), record[3] or None
+    out, hidden, head_dtype = record[0](), record[1](), record[3]
     if (out is None or hidden is None or not isinstance(head, nn.Linear) or out._version != record[2]
             or not out.is_contiguous() or logits.shape != (out.numel() // out.shape[-1], out.shape[-1])
             or hidden.shape[:-1] != out.shape[:-1] or head.weight.shape != (out.shape[-1], hidden.shape[-1])):
@@ -374,7 +374,8 @@ def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor
     if torch.is_autocast_enabled(out.device.type):  # the head ran in autocast's dtype, whatever its operands'
         if (head_dtype or out.dtype) != torch.get_autocast_dtype(out.device.type):
             return None
-    elif head_dtype is not None or hidden.dtype != out.dtype or head.weight.dtype != out.dtype or not out.is_floating_point():
+    elif (head_dtype is not None or hidden.dtype != out.dtype or head.weight.dtype != out.dtype
+          or not out.is_floating_point()):
         return None
     if same and out.dtype not in (torch.float32, torch.float64):
         return None  # a loss over bf16 logits as they are: stock's precision, not this one's
@@ -429,8 +430,9 @@ class route_cross_entropy(RoutingMode):
         self.head = head  # the model's output embeddings: logits that are its output go through LinearCrossEntropy
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in _ADDS and self.head is not None:
-            return _note_constant_added(self.head, func(*args, **(kwargs or {})), args, kwargs or {})
+        if func in _ADDS and self.head is not None:  # the head's output plus a constant stands for the output
+            kwargs = kwargs or {}
+            return _note_constant_added(self.head, func(*args, **kwargs), args, kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
     def route(self, input: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
