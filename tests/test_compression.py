@@ -195,6 +195,36 @@ def test_a_view_saved_before_its_contiguous_tensor_is_stored_once() -> None:
                 assert torch.equal(a, b)
 
 
+def test_an_input_each_linear_flattens_anew_is_stored_once() -> None:
+    """``linear`` flattens a 3-D input into a fresh 2-D view per call, and the view dies with the call: the query,
+    key and value projections of one hidden state save three view objects of one memory. The store must match them
+    by the memory's owner (the 3-D tensor, alive), as the probe (which keeps every view alive) counts them, not keep
+    the later ones as exact copies beside the packed first."""
+    x = torch.randn(4, 64, 128, requires_grad=True)
+    ws = [torch.randn(32, 128, requires_grad=True) for _ in range(3)]
+
+    def loss() -> torch.Tensor:
+        h = x * 2
+        return sum(torch.nn.functional.linear(h, w).square().sum() for w in ws)
+
+    plain = torch.autograd.grad(loss(), ws)
+    record = SavedTensorStore(record=True)
+    with record.hooks():
+        loss()
+    flat = {k: i for k, i in record.infos.items() if i.shape == (256, 128)}
+    (base,) = [k for k, i in flat.items() if i.lossy is None]
+    assert sorted(i.lossy for k, i in flat.items() if k != base) == [f"duplicate of {base}"] * 2
+    store = SavedTensorStore(bits={base: 8})
+    with store.hooks():
+        out = loss()
+        exact = [p for _, ref, _ in store._seen.values() if (p := ref()) is not None and p.tensor is not None
+                 and p.tensor.numel() == 256 * 128]
+    assert exact == []  # before: the key and value projections' inputs kept exact beside the packed query's
+    assert store.packed_nbytes == quantized_nbytes((256, 128), 8)
+    for a, b in zip(torch.autograd.grad(out, ws), plain):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()))
+
+
 def test_gat_eight_bits_close_to_exact() -> None:
     model, adapter, batch = small("pyg/gat")
     model.eval()  # no dropout: the same function both ways (training=True only for the wrap)

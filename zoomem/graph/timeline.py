@@ -43,17 +43,28 @@ class SegmentStat:
 
 
 class _Held:
-    __slots__ = ("tensor", "seg", "raw")
+    __slots__ = ("tensor", "seg", "raw", "key")
 
-    def __init__(self, tensor: Any, seg: int, raw: bool = False) -> None:
-        self.tensor, self.seg, self.raw = tensor, seg, raw
+    def __init__(self, tensor: Any, seg: int, raw: bool = False, key: str = "") -> None:
+        self.tensor, self.seg, self.raw, self.key = tensor, seg, raw, key
+
+
+BackwardWindow = tuple[int, str, int]
+"""(segment, key, peak bytes above the step's start) of one stretch of a backward: from autograd unpacking the
+saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it, ``"<region>#<k>"``)
+to its unpacking the next one; the first stretch of a segment has key ``""``."""
 
 
 def measure_timeline(
     model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
     saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
+    windows: list[BackwardWindow] | None = None,
 ) -> list[SegmentStat]:
     """Run one plain training step of ``model`` and return its segments in execution order.
+
+    ``windows``, a list, receives the backward cut finer, at every saved tensor unpacked (:data:`BackwardWindow`):
+    where in a unit's backward its peak is, which tells the planner which of its lossy tensors are still packed
+    there.
 
     The step's own saved-tensor hooks (they mark where backward crosses a unit) sit innermost, so a runtime
     that stores saved tensors in its own form passes its ``(pack, unpack)`` as ``saved_hooks`` to be measured.
@@ -75,7 +86,7 @@ def measure_timeline(
         for p in params:
             p.grad = None
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return _measure(model, batch, loss_fn, units, saved_hooks)
+            return _measure(model, batch, loss_fn, units, saved_hooks, windows)
     finally:
         with torch.no_grad():
             for b, old in zip(buffers, saved):
@@ -87,38 +98,47 @@ def measure_timeline(
 def _measure(
     model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
     saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
+    windows: list[BackwardWindow] | None = None,
 ) -> list[SegmentStat]:
     n = len(units)
     head = n + 1
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}
+    name_of = {u.module: u.name for u in units}
     meter = MemoryMeter(model, batch)
-    marks: list[tuple[int, str, float]] = []
-    state = {"seg": 0, "inside": False, "bseg": head, "backward": False}
+    marks: list[tuple[int, str, float, bool, str]] = []  # (seg, phase, time, closes a segment, window key)
+    state: dict[str, Any] = {"seg": 0, "inside": False, "bseg": head, "backward": False, "region": "<stem>",
+                             "key": ""}
+    counts: dict[str, int] = {}
 
-    def mark(seg: int, phase: str) -> None:
+    def mark(seg: int, phase: str, closes: bool = True) -> None:
         meter.mark(f"{len(marks)}:{phase}:{seg}")
-        marks.append((seg, phase, time.perf_counter()))
+        marks.append((seg, phase, time.perf_counter(), closes, state["key"]))
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         mark(state["seg"], "forward")
-        state["seg"], state["inside"] = seg_of[mod], True
+        state["seg"], state["inside"], state["region"] = seg_of[mod], True, name_of[mod]
 
     def post_hook(mod: nn.Module, args: Any, out: Any) -> None:
         k = seg_of[mod]
         mark(k, "forward")
-        state["seg"], state["inside"] = (k if k < n else head), False
+        state["seg"], state["inside"], state["region"] = (k if k < n else head), False, f"<after:{name_of[mod]}>"
 
     inner_pack, inner_unpack = saved_hooks or (None, None)
 
     def pack(t: torch.Tensor) -> Any:
         if state["backward"]:  # a backward that recomputes (zoomem's attention, a reentrant checkpoint) saves for
             return _Held(t, state["bseg"], raw=True)  # its own short-lived graph: no segment, not the runtime's
-        return _Held(inner_pack(t) if inner_pack else t, state["seg"])
+        region = state["region"]  # every save counted, as the saved-tensor store keys them
+        k = counts[region] = counts.get(region, -1) + 1
+        return _Held(inner_pack(t) if inner_pack else t, state["seg"], key=f"{region}#{k}")
 
     def unpack(h: Any) -> torch.Tensor:
         if h.seg != state["bseg"]:
             mark(state["bseg"], "backward")
-            state["bseg"] = h.seg
+            state["bseg"], state["key"] = h.seg, ""
+        if windows is not None and not h.raw and h.key != state["key"]:
+            mark(state["bseg"], "backward", closes=False)
+            state["key"] = h.key
         return inner_unpack(h.tensor) if inner_unpack and not h.raw else h.tensor
 
     handles = []
@@ -140,10 +160,20 @@ def _measure(
         for h in handles:
             h.remove()
     report = meter.report
+    base = report.baseline_bytes
     out: list[SegmentStat] = []
-    prev_end, prev_t = report.baseline_bytes, start
-    for (seg, phase, t), stat in zip(marks, report.phases.values()):
-        base = report.baseline_bytes
-        out.append(SegmentStat(seg, phase, prev_end - base, stat.peak_bytes - base, stat.end_bytes - base, t - prev_t))
-        prev_end, prev_t = stat.end_bytes, t
+    prev_end, prev_t = base, start
+    current: list[Any] | None = None  # the segment being assembled from its stretches: seg, phase, start, peak, end
+    for (seg, phase, t, closes, key), stat in zip(marks, report.phases.values()):
+        peak = stat.peak_bytes - base
+        if windows is not None and phase == "backward":
+            windows.append((seg, key, peak))
+        if current is None:
+            current = [seg, phase, prev_end - base, peak, stat.end_bytes - base]
+        else:
+            current[3], current[4] = max(current[3], peak), stat.end_bytes - base
+        prev_end = stat.end_bytes
+        if closes:
+            out.append(SegmentStat(*current, t - prev_t))
+            current, prev_t = None, t
     return out

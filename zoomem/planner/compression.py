@@ -35,6 +35,7 @@ class SavedInfo:
     input_of: tuple[str, ...] = ()  # units (other than its region) that take this tensor as input
     measured: bool = True  # False: C_s is a value-range proxy (the model has an op without a double backward)
     node: int = -1  # the autograd node whose backward unpacks it (numbered by the probe; its tensors come back at once)
+    unit_output: bool = False  # its memory is what its region's unit returns: the next forward holds it whole
 
     @property
     def numel(self) -> int:
@@ -52,7 +53,7 @@ class SavedInfo:
     def to_dict(self) -> dict:  # type: ignore[type-arg]
         return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
-                "input_of": list(self.input_of), "node": self.node}
+                "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output}
 
 
 @dataclass(frozen=True)

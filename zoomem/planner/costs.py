@@ -76,6 +76,15 @@ class CostModel:
     saved: list[SavedInfo] = field(default_factory=list)
     """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
     saved_seg: list[int] = field(default_factory=list)
+    backward_windows: list[tuple[int, str, int]] = field(default_factory=list)
+    """The backward of the step as lossy plans run it (compact forms on), cut at every saved tensor unpacked:
+    (segment, key, peak bytes), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
+    own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
+    """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
+    backward peak there, indices into ``saved`` still packed, indices unpacked by the node running)."""
+    saved_alive: list[int] = field(default_factory=list)
+    """Per saved tensor, the last segment whose forward holds it whole whatever its form: its own, a later unit's
+    that takes it as input, or the next one's when it is its unit's output (the caller holds that)."""
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     grad_sq: float = 0.0
     fused_quantize: bool = False
@@ -282,6 +291,10 @@ class CostModel:
 
         self.saved = eligible(infos)
         self.saved_seg = [seg_of(s.region) for s in self.saved]
+        self.saved_alive = [max([k + int(s.unit_output), *(seg[u] for u in s.input_of if u in seg)])
+                            for s, k in zip(self.saved, self.saved_seg)]
+        aliases = {s.key: s.lossy[len("duplicate of "):] for s in infos if (s.lossy or "").startswith("duplicate of ")}
+        self.own_windows = self._own_windows(aliases)
         self.grad_sq = grad_sq
         self.compress_s_per_byte = dict(seconds_per_byte)
         if fused is not None:
@@ -306,26 +319,84 @@ class CostModel:
             out.setdefault(k, []).append(members)
         return out
 
+    def _own_windows(self, aliases: dict[str, str]) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+        """:attr:`own_windows` from :attr:`backward_windows`: walking a segment's backward, the node running holds
+        dequantized copies of its group (:meth:`unpack_groups`; a duplicate's unpacking is its base's), a tensor
+        not yet unpacked for the last time is still packed, and one past that is gone (in the plain step too).
+        Without windows (a trace extrapolated from smaller batches) each group in forward order is taken to run
+        at the segment's peak, the backward running them in reverse: never more gain than there is."""
+        index = {s.key: j for j, s in enumerate(self.saved)}
+        group_of = {j: tuple(g) for groups in self.unpack_groups().values() for g in groups for j in g}
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        by_seg: dict[int, list[tuple[str, int]]] = {}
+        for seg, key, peak in self.backward_windows:
+            by_seg.setdefault(seg, []).append((key, peak))
+        for k, groups in self.backward_groups().items():
+            mine = {j for g in groups for j in g}
+            walk = by_seg.get(k)
+            if not walk:
+                states, before = [(0, (), ())], []
+                for g in groups:
+                    states.append((0, tuple(before), tuple(g)))
+                    before += g
+                out[k] = states
+                continue
+            top = max(peak for _, peak in walk)
+            current: tuple[int, ...] = ()
+            running = []
+            for key, peak in walk:
+                j = index.get(aliases.get(key, key))
+                if j is not None and j in mine:
+                    current = group_of[j]
+                running.append((top - peak, current))
+            last = {j: i for i, (_, cur) in enumerate(running) for j in cur}
+            best: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+            for i, (deficit, cur) in enumerate(running):
+                pending = tuple(sorted(j for j in mine if j not in cur and last.get(j, -1) > i))
+                state = (pending, cur)
+                best[state] = min(best.get(state, deficit), deficit)
+            out[k] = [(d, pending, cur) for (pending, cur), d in best.items()]
+        return out
+
+    def backward_groups(self) -> dict[int, list[list[int]]]:
+        """:meth:`unpack_groups` with each segment's groups in forward order (by their first tensor's index in
+        ``saved``, which is the order the forward packed them): the backward runs them in about the reverse."""
+        return {k: sorted(groups, key=min) for k, groups in self.unpack_groups().items()}
+
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
-        """Bytes a bit assignment takes off each memory point: a tensor saved in segment k is held packed at
-        every point after k's forward, and during k's own backward too, less the dequantized copies of one node's
-        lossy tensors at a time (a backward node unpacks all it saved at once: attention's q, k, v and output) and
-        the largest dequantization scratch; during k's forward it counts whole (which also covers quantizing's
-        scratch, a chunk's worth: the tensors packed before the forward's peak are not credited either)."""
+        """Bytes a bit assignment takes off each memory point.
+
+        A tensor saved in segment k is held packed at every point after k's forward and when k's backward starts;
+        during k's forward it counts whole (which also covers quantizing's scratch, a chunk's worth: the tensors
+        packed before the forward's peak are not credited either), and so during the later forwards that hold
+        it whole anyway (:attr:`saved_alive`). During k's own backward the gain is the least over the stretches
+        of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the
+        tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
+        node running (a backward node unpacks all it saved at once: attention's q, k, v and softmax); the tensors
+        of the nodes run before are gone in the plain step too. The largest dequantization scratch comes on top.
+        (Crediting every tensor of the segment there, as before, predicted BERT's attention backward 145 MiB low:
+        by then the feed-forward tensors are gone in both.)"""
         out = np.zeros(len(self.points))
         if not bits:
             return out
         seg = np.array([p.seg for p in self.points])
-        in_backward = np.array([p.phase != "forward" for p in self.points])
-        for s, k in zip(self.saved, self.saved_seg):
+        at_start = np.array([p.phase == "recompute" for p in self.points])
+        in_backward = np.array([p.phase == "backward" for p in self.points])
+        in_forward = ~(at_start | in_backward)
+        for s, k, alive in zip(self.saved, self.saved_seg, self.saved_alive or self.saved_seg):
             b = bits.get(s.key)
             if b:
-                out += ((seg > k) | ((seg == k) & in_backward)) * (s.nbytes - s.packed_nbytes(b))
-        for k, groups in self.unpack_groups().items():
-            t = max(sum(self.saved[j].nbytes for j in g if bits.get(self.saved[j].key)) for g in groups)
-            scratch = max((self.scratch(self.saved[j], bits[self.saved[j].key])[1] for g in groups for j in g
-                           if bits.get(self.saved[j].key)), default=0)
-            out -= ((seg == k) & in_backward) * (t + scratch)
+                credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & at_start))
+                out += credited * (s.nbytes - s.packed_nbytes(b))
+        for k, states in self.own_windows.items():
+            gain = lambda j: self.saved[j].nbytes - self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
+            packed = lambda j: self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
+            lossy = lambda js: [j for j in js if bits.get(self.saved[j].key)]  # noqa: E731
+            least = min(d + sum(gain(j) for j in lossy(pending)) - sum(packed(j) for j in lossy(cur))
+                        for d, pending, cur in states)
+            scratch = max((self.scratch(self.saved[j], bits[self.saved[j].key])[1] for _, _, cur in states
+                           for j in lossy(cur)), default=0)
+            out += ((seg == k) & in_backward) * (least - scratch)
         return out
 
     def compress_time(self, bits: dict[str, int]) -> float:
@@ -402,6 +473,13 @@ class CostModel:
         """
         if not self.points:
             return self.fixed_bytes
+        return self.fixed_bytes + int(round(self.point_bytes(decisions, compact, bits).max()))
+
+    def point_bytes(
+        self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset(), bits: dict[str, int] | None = None
+    ) -> np.ndarray:
+        """Predicted bytes above the fixed ones at each memory point (``points``) of a plan: what :meth:`peak`
+        takes the maximum of, and what a measured timeline is compared with point by point."""
         m = self._matrices()
         keep = np.array([decisions.get(u, Decision.KEEP) == Decision.KEEP for u in self.units], dtype=np.float64)
         cheap = np.array([decisions.get(u, Decision.KEEP) == Decision.RECOMPUTE_CHEAP for u in self.units],
@@ -430,7 +508,7 @@ class CostModel:
             values -= m["gain_keep"][:, i] if keep[i] else m["gain_rec"][:, i]
         if bits:
             values -= self.compress_gain_rows(bits)
-        return self.fixed_bytes + int(round(values.max()))
+        return values
 
     def check_chain(self, decisions: dict[str, Decision]) -> None:
         """Raise if a ``RECOMPUTE_CHAIN`` unit cannot drop its input: not eligible, or its previous unit is kept."""

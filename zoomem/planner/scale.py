@@ -89,6 +89,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     if small.outside_gain or large.outside_gain:
         zeros = [0] * len(points)
         outside = [by(a, b) for a, b in zip(small.outside_gain or zeros, large.outside_gain or zeros)]
+    windows: list[tuple[int, str, int]] = []
+    if [w[:2] for w in small.backward_windows] == [w[:2] for w in large.backward_windows]:
+        windows = [(seg, key, by(a, b)) for (seg, key, a), (_, _, b) in zip(small.backward_windows,
+                                                                           large.backward_windows)]
     return dataclasses.replace(
         large,
         fixed_bytes=by(small.fixed_bytes, large.fixed_bytes),
@@ -104,7 +108,8 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
                    if k in compact or k not in large.units},
         compact_recompute=large.compact_recompute & frozenset(compact),
         outside_gain=outside,
-        saved=[], saved_seg=[],
+        saved=[], saved_seg=[], saved_alive=[], own_windows={},
+        backward_windows=windows,
     )
 
 

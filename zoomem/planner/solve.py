@@ -235,19 +235,23 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 vs.append(v)
             prob += pulp.lpSum(vs) <= 1
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
-    # during segment k's backward its packed tensors are unpacked one node at a time: one node's lossy tensors
-    # are dequantized copies at once
-    unpacked: dict[int, pulp.LpVariable] = {}
+    alive = dict(zip((s.key for s in model.saved), model.saved_alive or model.saved_seg))
+    # during segment k's backward its own tensors gain the least over the stretches of it (CostModel.
+    # compress_gain_rows): own[k] <= (below the peak there) + (gains of those still packed) - (packed beside copies)
+    own: dict[int, pulp.LpVariable] = {}
     if q:
-        for k, groups in model.unpack_groups().items():
-            for g in groups:
-                terms = [model.saved[j].nbytes * q[model.saved[j].key, b] for j in g for b in compress.bits
-                         if (model.saved[j].key, b) in q]
-                if not terms:
-                    continue
-                if k not in unpacked:
-                    unpacked[k] = pulp.LpVariable(f"u_{k}", 0)
-                prob += unpacked[k] >= pulp.lpSum(terms)
+        def lossy(js):  # type: ignore[no-untyped-def]
+            return [(model.saved[j], b) for j in js for b in compress.bits if (model.saved[j].key, b) in q]
+
+        for k, states in model.own_windows.items():
+            if not any(lossy(pending) or lossy(cur) for _, pending, cur in states):
+                continue
+            own[k] = pulp.LpVariable(f"own_{k}")
+            for d, pending, cur in states:
+                prob += own[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
+                                                            for s, b in lossy(pending))
+                                              - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(cur))
+                                              ) * _PER_MIB
     # dequantizing holds scratch beside the copy: the largest in a segment's backward (CostModel.compress_gain_rows)
     unpacking: dict[int, pulp.LpVariable] = {}
     for (key, b), v in q.items():
@@ -306,12 +310,13 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()
-                 if p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase != "forward")]
+                 if (p.seg > alive[key] if p.phase == "forward" else
+                     p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase == "recompute"))]
         if gains:
             expr -= pulp.lpSum(gains)
-            if p.phase != "forward" and p.seg in unpacked:
-                expr += unpacked[p.seg]
-        if p.phase != "forward" and p.seg in unpacking:
+        if p.phase == "backward" and p.seg in own:
+            expr -= own[p.seg]
+        if p.phase == "backward" and p.seg in unpacking:
             expr += unpacking[p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)

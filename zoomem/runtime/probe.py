@@ -128,14 +128,18 @@ def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
 
         return hook
 
-    def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if stack:
-            stack.pop().close()
+    def post(name: str) -> Callable:  # type: ignore[type-arg]
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if stack:
+                stack.pop().close()
+            store.unit_returned(name, output)
+
+        return hook
 
     handles = []
     for u in units:
         handles.append(u.module.register_forward_pre_hook(pre(u.name), with_kwargs=True))
-        handles.append(u.module.register_forward_hook(post, with_kwargs=True))
+        handles.append(u.module.register_forward_hook(post(u.name), with_kwargs=True))
     try:
         yield
     finally:

@@ -134,7 +134,7 @@ class SavedTensorStore:
     _counts: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
     _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
-    _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
+    _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int, tuple, tuple]]] = field(default_factory=dict)
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
     _leaves: frozenset[int] | None = None
 
@@ -174,6 +174,16 @@ class SavedTensorStore:
             if not self.record:
                 self.tensors = {}
 
+    def unit_returned(self, name: str, output: Any) -> None:
+        """Recording: mark the tensors unit ``name`` saved that are (views of) what it returns. Packing them frees
+        nothing while the forward after the unit runs: the caller holds the output whole."""
+        if not self.record:
+            return
+        for t in _tensors((output,), {}):
+            for key in self._input_ptrs.get(_ptr(t), ()):
+                if self.infos[key].region == name:
+                    self.infos[key].unit_output = True
+
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> _Packed:
         strided = t.layout == torch.strided
@@ -186,7 +196,8 @@ class SavedTensorStore:
         self._counts[region] = k + 1
         key = f"{region}#{k}"
         hit = self._seen.get(ident)
-        earlier = hit[1]() if hit is not None and hit[0]() is t else None
+        anchor = _anchor(t)
+        earlier = hit[1]() if hit is not None and hit[0]() is anchor else None
         view = None if earlier is not None or not strided else self._view_of_packed(t)
         if earlier is not None or view is not None:  # the same tensor, or a view (a transpose) of one: stored once
             if self.record:
@@ -212,36 +223,37 @@ class SavedTensorStore:
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
-        self._seen[ident] = (weakref.ref(t), weakref.ref(packed), key)
+        self._seen[ident] = (weakref.ref(anchor), weakref.ref(packed), key)
         where = (_ptr(t), t.dtype, t.device)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
             self._bases.setdefault(where, []).append(
-                (weakref.ref(t), weakref.ref(packed), t.storage_offset(), t.numel()))
+                (weakref.ref(anchor), weakref.ref(packed), t.storage_offset(), t.numel()))
             self._adopt_loose(where, packed, key, t.storage_offset(), t.numel())
         elif strided and all(s >= 0 for s in t.stride()):  # a contiguous tensor saved later may hold it
             self._loose.setdefault(where, []).append(
-                (weakref.ref(t), weakref.ref(packed), *_span(t)))
+                (weakref.ref(anchor), weakref.ref(packed), *_span(t), tuple(t.shape), tuple(t.stride())))
         return packed
 
     def _adopt_loose(self, where: tuple, base: _Packed, base_key: str, offset: int, numel: int) -> None:
         """Make the views saved earlier that lie in ``base``'s memory views of its packed form: their own packed
-        forms (a second quantized copy of the same bytes) are dropped. The weak reference to each view's tensor
-        proves its memory is still the one ``base`` lies in (a dead one's address may have been reused)."""
+        forms (a second quantized copy of the same bytes) are dropped. The weak reference to each view's anchor
+        (:func:`_anchor`) proves its memory is still the one ``base`` lies in (a dead one's address may have been
+        reused)."""
         kept = []
         for entry in self._loose.get(where, ()):
-            ref, packed_ref, lo, hi = entry
-            t, packed = ref(), packed_ref()
-            if t is None or packed is None:
+            ref, packed_ref, lo, hi, shape, stride = entry
+            if ref() is None or (packed := packed_ref()) is None:
                 continue
             if not (offset <= lo and hi < offset + numel):
                 kept.append(entry)
                 continue
             packed.tensor, packed.quantized, packed.device = None, None, None
-            packed.view_of = (base, tuple(t.shape), tuple(t.stride()), lo - offset)
+            packed.view_of = (base, shape, stride, lo - offset)
             if self.record and packed.key in self.infos:
                 old = self.infos[packed.key]
                 self.infos[packed.key] = SavedInfo(old.key, old.region, old.shape, old.dtype, 0,
-                                                   f"duplicate of {base_key}", input_of=old.input_of)
+                                                   f"duplicate of {base_key}", input_of=old.input_of,
+                                                   unit_output=old.unit_output)
         self._loose[where] = kept
 
     def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
@@ -271,6 +283,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """First and last storage element a strided tensor with non-negative strides touches."""
     lo = t.storage_offset()
     return lo, lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor object whose life proves ``t``'s memory is still the one it was: its base when it is a view.
+    A view dies with the op that made it (``linear`` flattens a 3-D input into a fresh 2-D view for each call, so
+    the query, key and value projections each save a different view object of one input) while its base, and so
+    its memory, lives on; a weak reference to the view would lose the match and store the input three times."""
+    return t._base if t._base is not None else t
 
 
 def _ptr(t: torch.Tensor) -> int:

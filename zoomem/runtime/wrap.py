@@ -25,7 +25,7 @@ from torch import nn
 from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..graph import OpGraph, trace
-from ..graph.timeline import measure_timeline
+from ..graph.timeline import BackwardWindow, measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte
 from ..compress.triton_kernels import use_triton
@@ -318,19 +318,28 @@ def cost_model(
                 graph.timeline_outside = measure_timeline(model, batch, loss, units)
         finally:
             undo()
+    windows: list[BackwardWindow] | None = [] if lossy else None
     if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
         undo = install_all(chosen)
         try:
             with as_stored():
-                graph.timeline_compact = measure_timeline(model, batch, loss, units)
+                graph.timeline_compact = measure_timeline(model, batch, loss, units, windows=windows)
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
         modules = {u.name: u.module for u in units}
         graph.compact_recompute_units = [u for u in graph.compact_units
                                          if all(mod is not modules.get(u) for mod, _ in chosen[u])]
+    if windows == [] and graph.timeline:  # no unit has compact forms: the windows of the step as lossy plans run it
+        undo = install_all(chosen)
+        try:
+            with as_stored():
+                measure_timeline(model, batch, loss, units, windows=windows)
+        finally:
+            undo()
     costs = CostModel.from_graph(graph)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
+    costs.backward_windows = windows or []
     return costs, chosen, graph
 
 
