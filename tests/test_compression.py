@@ -225,6 +225,37 @@ def test_an_input_each_linear_flattens_anew_is_stored_once() -> None:
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()))
 
 
+def test_compact_forms_run_as_stored_only_in_units_storing_tensors_lossily() -> None:
+    """Inside a unit none of whose tensors the plan stores lossily, the compact forms run as without the store
+    (attention recomputes its softmax rather than keeping it): what the plan counts there. Recording (the probe)
+    runs them as stored everywhere: it enumerates what every unit would save."""
+    from zoomem.ops.functional import stores_lossily
+
+    store = SavedTensorStore(bits={"lossy#3": 2})
+    with store.hooks():
+        seen = [stores_lossily()]
+        for name in ("exact", "lossy"):
+            with store.unit(name):
+                seen.append(stores_lossily())
+        seen.append(stores_lossily())
+    assert seen == [True, False, True, True]
+    record = SavedTensorStore(record=True)
+    with record.hooks(), record.unit("exact"):
+        assert stores_lossily()
+
+
+def test_every_lossless_plan_is_a_combined_plan() -> None:
+    """The combined program offers each unit every lossless mode besides the stored compact one, so at the lossless
+    minimum it finds a plan itself (it used to count the compact forms as stored everywhere, found none there, and
+    fell back to planning without compression)."""
+    model, adapter, batch = small("hf/bert-base-uncased", seed=0, batch_size=16)
+    model.train()
+    with pytest.raises(zoomem.InfeasibleBudgetError) as lossless:
+        zoomem.plan(model, batch, budget=1)
+    plan = zoomem.plan(model, batch, budget=lossless.value.min_budget, compress="auto")
+    assert plan.level == "auto" and plan.predicted_peak_bytes <= lossless.value.min_budget
+
+
 def test_gat_eight_bits_close_to_exact() -> None:
     model, adapter, batch = small("pyg/gat")
     model.eval()  # no dropout: the same function both ways (training=True only for the wrap)
@@ -405,7 +436,9 @@ def test_adaptive_l2_never_stores_one_bit_but_l22_may() -> None:
 def test_a_nodes_lossy_tensors_come_back_together() -> None:
     """Backward unpacks everything one autograd node saved at once (attention: q, k, v, its output and lse), so the
     planner counts their dequantized copies together; a combined plan's prediction then matches its measured peak
-    (counting one tensor at a time had it 4% low on ViT-Tiny at batch 8, and verification refused its budget)."""
+    (counting one tensor at a time had it 4% low on ViT-Tiny at batch 8, and verification refused its budget). It
+    errs high if at all: which of a block's tensors are still packed where its backward peaks is measured, but the
+    forward counts a block's own tensors whole (2.3% high here)."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0, batch_size=64)  # activations dominate
     model.train()
     level = zoomem.plan(model, batch, level="L1.1")
@@ -421,7 +454,8 @@ def test_a_nodes_lossy_tensors_come_back_together() -> None:
     zoomem.wrap(model, budget=int(lossless.value.min_budget * 0.95), compress="auto", batch=batch)
     plan = _plan(model)
     assert plan.bits and plan.extras["measured_peak_bytes"] <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - plan.extras["measured_peak_bytes"]) <= 0.02 * plan.predicted_peak_bytes
+    error = plan.predicted_peak_bytes - plan.extras["measured_peak_bytes"]
+    assert -0.01 * plan.predicted_peak_bytes <= error <= 0.03 * plan.predicted_peak_bytes
 
 
 def test_compress_auto_falls_back_to_a_lossless_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,11 +212,12 @@ _SEPARATE_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("zoomem_s
 
 
 @contextlib.contextmanager
-def separate_masks() -> Iterator[None]:
+def separate_masks(on: bool = True) -> Iterator[None]:
     """Inside: functions that would read an activation mask from a saved float tensor (BatchNorm+ReLU's
     pre-activation) save the mask as its own 1-bit tensor, so that the float tensor can be stored lossily
-    (rounding must not flip a mask). zoomem's saved-tensor store enters this around every forward it handles."""
-    token = _SEPARATE_MASKS.set(True)
+    (rounding must not flip a mask). zoomem's saved-tensor store enters this around every forward it handles,
+    and ``on=False`` inside a unit none of whose tensors it stores lossily."""
+    token = _SEPARATE_MASKS.set(on)
     try:
         yield
     finally:

@@ -71,6 +71,11 @@ class CostModel:
     """Per unit with compact implementations: bytes they take off (held after its forward, its forward's
     own rise, its backward's own rise), measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
+    compact_saving_stored: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """The same for every unit with compact implementations, as they run under zoomem's saved-tensor store, in a
+    unit that stores some tensor lossily (they save what rounding perturbs little: attention its softmax too).
+    Empty unless the trace was made for lossy plans; a unit runs them so exactly where the plan has bits for a
+    tensor saved in it (:meth:`stored_units`)."""
     compact_recompute: frozenset[str] = frozenset()
     """Units whose compact forms may also run in a recomputed unit (they run inside the checkpoint)."""
     saved: list[SavedInfo] = field(default_factory=list)
@@ -98,7 +103,9 @@ class CostModel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_graph(cls, graph: OpGraph) -> "CostModel":
+    def from_graph(cls, graph: OpGraph, stored_compact: list | None = None) -> "CostModel":
+        """The cost model of a traced step; ``stored_compact``: the timeline with every compact form on as they run
+        under zoomem's saved-tensor store (:attr:`compact_saving_stored`)."""
         if not graph.timeline:
             raise ValueError(
                 "This trace has no memory timeline (it ran inside a profiler or MemoryMeter, or with memory=False); "
@@ -231,28 +238,9 @@ class CostModel:
         cheap = {u: times[u] * op_cheap[u] / op_time[u] if op_time[u] > 0 else 0.0 for u in units}
         group = {u.name: u.group for u in graph.units if u.name in seg_of_unit}
         times, cheap = _share_by_group(times, group), _share_by_group(cheap, group)
-        compact_saving: dict[str, tuple[int, int, int]] = {}
-        compact_s: dict[str, float] = {}
-        if graph.timeline_compact and len(graph.timeline_compact) == len(base):
-            for name in graph.compact_units:
-                seg = seg_of_unit.get(name)
-                if seg is None:
-                    continue
-                pairs = [(a, b) for a, b in zip(base, graph.timeline_compact) if a.seg == seg]
-                fwd = [(a, b) for a, b in pairs if a.phase == "forward"]
-                bwd = [(a, b) for a, b in pairs if a.phase == "backward"]
-                if not fwd:
-                    continue
-                a, b = fwd[0]
-                held = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
-                local_fwd = (a.peak_bytes - a.start_bytes) - (b.peak_bytes - b.start_bytes)
-                local_bwd = max(((x.peak_bytes - x.start_bytes) - (y.peak_bytes - y.start_bytes) for x, y in bwd),
-                                default=0)
-                gains = (held, local_fwd, local_bwd)  # negative: the compact forms hold more (a CSR adjacency)
-                if max(gains) > 0:
-                    compact_saving[name] = gains
-                    compact_s[name] = max(0.0, sum(y.time_s - x.time_s for x, y in pairs))
+        compact_saving, compact_s = _compact_savings(graph.compact_units, seg_of_unit, base, graph.timeline_compact)
         compact_s = _share_by_group(compact_s, group)
+        stored, _ = _compact_savings(graph.compact_units, seg_of_unit, base, stored_compact or [], every=True)
         if outside_gain:
             compact_s[OUTSIDE_UNITS] = outside_s
         return cls(
@@ -270,6 +258,7 @@ class CostModel:
             compact_recompute=frozenset(graph.compact_recompute_units) & frozenset(compact_saving),
             outside_gain=outside_gain,
             chain=chain,
+            compact_saving_stored=stored,
         )
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float],
@@ -448,9 +437,15 @@ class CostModel:
                 return True
         return False
 
-    def compact_gain(self, point: _Point, unit: str, decision: Decision) -> int:
-        """Bytes the compact implementations of ``unit`` (under ``decision``) take off this point."""
-        held, local_fwd, local_bwd = self.compact_saving.get(unit, (0, 0, 0))
+    @staticmethod
+    def stored_units(bits: dict[str, int] | None) -> frozenset[str]:
+        """The regions (units) whose compact forms run as stored: those with a tensor stored lossily."""
+        return frozenset(key.rsplit("#", 1)[0] for key in bits or {})
+
+    def compact_gain(self, point: _Point, unit: str, decision: Decision, stored: bool = False) -> int:
+        """Bytes the compact implementations of ``unit`` (under ``decision``; ``stored``: as they run in a unit
+        storing tensors lossily) take off this point."""
+        held, local_fwd, local_bwd = (self.compact_saving_stored if stored else self.compact_saving).get(unit, (0, 0, 0))
         seg = self.units.index(unit) + 1
         if point.seg > seg:  # its compact forms are what it holds, if it holds its tensors at all
             return held if decision == Decision.KEEP else 0
@@ -501,7 +496,11 @@ class CostModel:
                                             if all(chained[l:seg])])
         if OUTSIDE_UNITS in compact and self.outside_gain:
             values -= m["outside"]
+        stored = self.stored_units(bits)
         for unit in compact:
+            if unit in stored and unit in self.compact_saving_stored and keep[self.units.index(unit)]:
+                values -= m["gain_stored"][:, self.units.index(unit)]
+                continue
             if unit not in self.compact_saving:
                 continue
             i = self.units.index(unit)
@@ -565,7 +564,7 @@ class CostModel:
                 cheap[j, seg - 1] = 1
         coef = np.zeros((npt, ns))
         transient = np.zeros((npt, n))
-        gain_keep, gain_rec = np.zeros((npt, n)), np.zeros((npt, n))
+        gain_keep, gain_rec, gain_stored = np.zeros((npt, n)), np.zeros((npt, n)), np.zeros((npt, n))
         for i, p in enumerate(self.points):
             for s, c in self._coefficients(p):
                 coef[i, index[id(s)]] = c
@@ -575,12 +574,14 @@ class CostModel:
                 if u in self.compact_saving:
                     gain_keep[i, k] = self.compact_gain(p, u, Decision.KEEP)
                     gain_rec[i, k] = self.compact_gain(p, u, Decision.RECOMPUTE)
+                if u in self.compact_saving_stored:
+                    gain_stored[i, k] = self.compact_gain(p, u, Decision.KEEP, stored=True)
         cache = {
             "pinned": np.array([s.pinned for s in self.storages], dtype=bool),
             "base": np.array([float(s.base_held) for s in self.storages]),
             "measured": np.array([float(p.measured) for p in self.points]),
             "savers": savers, "inputs": inputs, "cheap": cheap, "coef": coef, "transient": transient,
-            "gain_keep": gain_keep, "gain_rec": gain_rec,
+            "gain_keep": gain_keep, "gain_rec": gain_rec, "gain_stored": gain_stored,
             "outside": np.array([float(g) for g in self.outside_gain]) if self.outside_gain else np.zeros(npt),
         }
         self.__dict__["_matrix_cache"] = cache
@@ -619,6 +620,35 @@ class CostModel:
             if seg in owners and min(owners) == seg and self.held(s, decisions) and not s.pinned:
                 total += s.nbytes
         return total
+
+
+def _compact_savings(names: list[str], seg_of_unit: dict[str, int], base: list, compact: list,
+                     every: bool = False) -> tuple[dict[str, tuple[int, int, int]], dict[str, float]]:
+    """Per unit with compact implementations, what they take off (held after its forward, its forward's own rise,
+    its backward's own rise) and the time they add, from the timeline with every one on against ``base``. Only
+    units whose forms take something off somewhere, unless ``every``."""
+    saving: dict[str, tuple[int, int, int]] = {}
+    seconds: dict[str, float] = {}
+    if not compact or len(compact) != len(base):
+        return saving, seconds
+    for name in names:
+        seg = seg_of_unit.get(name)
+        if seg is None:
+            continue
+        pairs = [(a, b) for a, b in zip(base, compact) if a.seg == seg]
+        fwd = [(a, b) for a, b in pairs if a.phase == "forward"]
+        bwd = [(a, b) for a, b in pairs if a.phase == "backward"]
+        if not fwd:
+            continue
+        a, b = fwd[0]
+        held = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
+        local_fwd = (a.peak_bytes - a.start_bytes) - (b.peak_bytes - b.start_bytes)
+        local_bwd = max(((x.peak_bytes - x.start_bytes) - (y.peak_bytes - y.start_bytes) for x, y in bwd), default=0)
+        gains = (held, local_fwd, local_bwd)  # negative: the compact forms hold more (a CSR adjacency)
+        if every or max(gains) > 0:
+            saving[name] = gains
+            seconds[name] = max(0.0, sum(y.time_s - x.time_s for x, y in pairs))
+    return saving, seconds
 
 
 def _points(timeline: list, head: int) -> list[_Point]:

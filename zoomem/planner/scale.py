@@ -79,6 +79,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     def times(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
         return {k: scale.seconds(x.get(k, y.get(k, 0.0)), y.get(k, x.get(k, 0.0))) for k in {**x, **y}}
 
+    stored = {}
+    for unit in [u for u in large.units if u in small.compact_saving_stored or u in large.compact_saving_stored]:
+        a3, b3 = small.compact_saving_stored.get(unit, (0, 0, 0)), large.compact_saving_stored.get(unit, (0, 0, 0))
+        stored[unit] = (by(a3[0], b3[0]), by(a3[1], b3[1]), by(a3[2], b3[2]))
     compact = {}
     for unit in [u for u in large.units if u in small.compact_saving or u in large.compact_saving]:
         a3, b3 = small.compact_saving.get(unit, (0, 0, 0)), large.compact_saving.get(unit, (0, 0, 0))
@@ -108,6 +112,7 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
                    if k in compact or k not in large.units},
         compact_recompute=large.compact_recompute & frozenset(compact),
         outside_gain=outside,
+        compact_saving_stored=stored,
         saved=[], saved_seg=[], saved_alive=[], own_windows={},
         backward_windows=windows,
     )

@@ -153,11 +153,14 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
 
     With ``compress``, each lossy-eligible saved tensor s also gets one 0-1 variable per bit width b; the tensor
     exists only if the unit it is saved in keeps its tensors, and its storage is freed only if no recomputed unit
-    holds it as an input, so ``q[s, b] <= keep`` of both; it takes ``nbytes - packed(b)`` off every point after its
-    segment and adds its (de)quantization time plus the variance term ``C_s / (2**b - 1)**2`` (DESIGN.md section 4)
-    to the objective. In compression modes every kept unit runs its compact implementations (they are exact).
-    The compact forms outside the units are on in compression modes, and elsewhere where they help
-    (:meth:`CostModel.outside_helps`): a constant per point.
+    holds it as an input, so ``q[s, b] <= keep`` of both; it takes ``nbytes - packed(b)`` off the points after
+    its segment (:meth:`CostModel.compress_gain_rows`) and adds its (de)quantization time plus the variance term
+    ``C_s / (2**b - 1)**2`` (DESIGN.md section 4) to the objective. A unit with compact implementations has, in
+    compression modes, one more mode besides every lossless one: kept, its compact forms as they run where
+    tensors are stored lossily (they save what rounding perturbs little: attention keeps its softmax); its tensors
+    may be lossy only in that mode, and it only with one lossy (``q <= x[u, keep, stored] <= sum of q``), so every
+    lossless plan is a combined plan too. The compact forms outside the units are on in compression modes, and
+    elsewhere where they help (:meth:`CostModel.outside_helps`): a constant per point.
     """
     import pulp
 
@@ -167,28 +170,28 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     # Modes, not a decision plus a compact switch joined by products: the one-hot is the convex hull of the
     # unit's choices, so the LP relaxation is as tight as it can be (on BERT-large it bounds as the products did:
     # what ended the 10 s runs there was MIP_GAP).
-    x: dict[tuple[str, Decision, bool], pulp.LpVariable] = {}
+    x: dict[tuple[str, Decision, int], pulp.LpVariable] = {}
     kept: dict[str, pulp.LpAffineExpression] = {}  # 1 when the unit keeps its tensors, in either compact mode
     for i, u in enumerate(model.units):
-        modes = [(Decision.RECOMPUTE, False)]
+        modes: list[tuple[Decision, int]] = [(Decision.RECOMPUTE, 0)]  # 0: plain forms, 1: compact, 2: compact stored
         if model.recompute_cheap_s.get(u, 0.0) < model.recompute_s.get(u, 0.0):
-            modes.append((Decision.RECOMPUTE_CHEAP, False))  # never compact: they would change its cached outputs
+            modes.append((Decision.RECOMPUTE_CHEAP, 0))  # never compact: they would change its cached outputs
         if u not in model.compact_saving:
-            modes.append((Decision.KEEP, False))
-        elif compress is not None:  # compression modes: compact exactly in kept units (the probe saw them on there)
-            modes.append((Decision.KEEP, True))
+            modes.append((Decision.KEEP, 0))
         else:
-            modes += [(Decision.KEEP, False), (Decision.KEEP, True)]
+            modes += [(Decision.KEEP, 0), (Decision.KEEP, 1)]
             if u in model.compact_recompute:  # its compact forms run inside the checkpoint, and again in recompute
-                modes.append((Decision.RECOMPUTE, True))
+                modes.append((Decision.RECOMPUTE, 1))
+        if compress is not None and u in model.compact_saving_stored:  # what storing some tensor lossily runs
+            modes.append((Decision.KEEP, 2))
         if i + 1 in model.chain:
-            modes.append((Decision.RECOMPUTE_CHAIN, False))
-            if (Decision.RECOMPUTE, True) in modes:
-                modes.append((Decision.RECOMPUTE_CHAIN, True))
+            modes.append((Decision.RECOMPUTE_CHAIN, 0))
+            if (Decision.RECOMPUTE, 1) in modes:
+                modes.append((Decision.RECOMPUTE_CHAIN, 1))
         for d, on in modes:
-            x[u, d, on] = pulp.LpVariable(f"x_{i}_{d.value}{'_c' if on else ''}", 0, 1, cat)
+            x[u, d, on] = pulp.LpVariable(f"x_{i}_{d.value}{('', '_c', '_s')[on]}", 0, 1, cat)
             if warm is not None:
-                x[u, d, on].setInitialValue(1 if warm[0][u] == d and (u in warm[1]) == on else 0)
+                x[u, d, on].setInitialValue(1 if warm[0][u] == d and int(u in warm[1]) == on else 0)
         prob += pulp.lpSum(x[u, d, on] for d, on in modes) == 1
         kept[u] = pulp.lpSum(x[u, d, on] for d, on in modes if d == Decision.KEEP)
     keep = lambda seg: kept[model.units[seg - 1]]  # noqa: E731
@@ -223,17 +226,26 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     q: dict[tuple[str, int], pulp.LpVariable] = {}
     seg_index = {u: i + 1 for i, u in enumerate(model.units)}
     if compress is not None:
+        in_region: dict[str, list[pulp.LpVariable]] = {}
         for j, (s, k) in enumerate(zip(model.saved, model.saved_seg)):
-            owners = ([s.region] if s.region in seg_index else []) + [v for v in s.input_of if v in seg_index]
+            owners = [v for v in s.input_of if v in seg_index and v != s.region]
             vs = []
             for b in compress.bits:
                 v = q[s.key, b] = pulp.LpVariable(f"q_{j}_{b}", 0, 1, cat)
                 if warm is not None:
                     v.setInitialValue(1 if warm[2].get(s.key) == b else 0)
+                if (s.region, Decision.KEEP, 2) in x:  # its unit runs its compact forms as stored
+                    prob += v <= x[s.region, Decision.KEEP, 2]
+                elif s.region in seg_index:
+                    prob += v <= keep(seg_index[s.region])
                 for owner in owners:
                     prob += v <= keep(seg_index[owner])
                 vs.append(v)
+                in_region.setdefault(s.region, []).append(v)
             prob += pulp.lpSum(vs) <= 1
+        for (u, d, on), v in x.items():  # a unit runs them as stored only where it stores some tensor lossily
+            if on == 2:
+                prob += v <= pulp.lpSum(in_region.get(u, []))
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
     alive = dict(zip((s.key for s in model.saved), model.saved_alive or model.saved_seg))
     # during segment k's backward its own tensors gain the least over the stretches of it (CostModel.
@@ -306,7 +318,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 expr += tau
         for (u, d, on), v in x.items():
             if on:  # a gain can be negative (a cost)
-                expr -= model.compact_gain(p, u, d) * v
+                expr -= model.compact_gain(p, u, d, stored=on == 2) * v
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()

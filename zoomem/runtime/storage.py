@@ -137,6 +137,7 @@ class SavedTensorStore:
     _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int, tuple, tuple]]] = field(default_factory=dict)
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
     _leaves: frozenset[int] | None = None
+    _lossy_regions: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ regions
     @contextlib.contextmanager
@@ -149,8 +150,11 @@ class SavedTensorStore:
                     if info.region != name and name not in info.input_of:
                         info.input_of += (name,)
         self._region = name
+        # its compact forms save what rounding perturbs little only where it stores some tensor lossily; elsewhere
+        # they run as without the store (the plan counts them so): no recording, and no bits for this unit's tensors
         try:
-            yield
+            with separate_masks(self.record or name in self._lossy_regions):
+                yield
         finally:
             self._region = f"<after:{name}>"
 
@@ -161,6 +165,7 @@ class SavedTensorStore:
         before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs = "<stem>", {}, {}, {}
+        self._lossy_regions = frozenset(key.rsplit("#", 1)[0] for key in self.bits)
         self._bases, self._loose = {}, {}
         self._leaves = None if model is None else frozenset(
             _ptr(t) for t in (*model.parameters(), *model.buffers(), *_tensors(args, kwargs or {})))

@@ -223,10 +223,8 @@ class _Handle:
             if self.level is not None:
                 return _level_plan(ctx.costs, infos, self.level, ctx.chosen_units, self.time_limit)
             assert self.compress is not None
-            new = make_plan(ctx.costs, ctx.budget_bytes, strategy="ilp", time_limit=self.time_limit,
-                            margin=old.extras.get("margin", SAFETY_MARGIN), compress=self.compress)
-            _set_compact(new, ctx.chosen_units)
-            return new
+            return make_plan(ctx.costs, ctx.budget_bytes, strategy="ilp", time_limit=self.time_limit,
+                             margin=old.extras.get("margin", SAFETY_MARGIN), compress=self.compress)
 
         with self.planning_scope():
             new = from_rank0(replan, _encode_plan, _decode_plan)
@@ -319,11 +317,14 @@ def cost_model(
         finally:
             undo()
     windows: list[BackwardWindow] | None = [] if lossy else None
+    stored: list = []  # type: ignore[type-arg]
     if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
         undo = install_all(chosen)
         try:
-            with as_stored():
-                graph.timeline_compact = measure_timeline(model, batch, loss, units, windows=windows)
+            graph.timeline_compact = measure_timeline(model, batch, loss, units)
+            if lossy:  # and as they run in units that store tensors lossily
+                with separate_masks():
+                    stored = measure_timeline(model, batch, loss, units, windows=windows)
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
@@ -337,7 +338,7 @@ def cost_model(
                 measure_timeline(model, batch, loss, units, windows=windows)
         finally:
             undo()
-    costs = CostModel.from_graph(graph)
+    costs = CostModel.from_graph(graph, stored_compact=stored)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     costs.backward_windows = windows or []
     return costs, chosen, graph
@@ -426,7 +427,6 @@ def _make(
             return lossless_instead(err)
         margin, unmet = 0.0, err
     if compress is not None:
-        _set_compact(new, chosen_units)
         new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
@@ -471,7 +471,6 @@ def _make(
             break
         new.traced_at = traced_at
         if compress is not None:
-            _set_compact(new, chosen_units)
             new.extras["_planning"] = planning
     if tried:
         measured = min(m for _, m in tried)
@@ -493,9 +492,8 @@ _OOM_MARGIN = 0.05
 
 
 def _set_compact(plan: Plan, units: frozenset[str]) -> None:
-    """Compression modes run the exact compact forms of every kept unit (the probe enumerated its tensors with
-    them on; a recomputed unit's tensors never reach the store, and selective recomputation must not see the
-    compact forms' in-place outputs), and those outside the units."""
+    """Levels run the exact compact forms of every unit (the probe enumerated its tensors with them on), and those
+    outside the units."""
     for u in plan.units:
         u.compact = u.name in units and u.decision == Decision.KEEP
     plan.outside_compact = OUTSIDE_UNITS in units
