@@ -256,6 +256,27 @@ def test_every_lossless_plan_is_a_combined_plan() -> None:
     assert plan.level == "auto" and plan.predicted_peak_bytes <= lossless.value.min_budget
 
 
+def test_a_recomputed_compact_unit_replays_its_forms_beside_lossy_units() -> None:
+    """Below the lossless minimum the combined plan recomputes one layer with its compact forms and stores a tensor
+    lossily elsewhere. The recomputation in backward (here inside the verifying step, under the store's hooks)
+    must save what its forward saved: the forms as without the store, not as stored (a CheckpointError)."""
+    from zoomem.zoo import build
+
+    torch.manual_seed(0)
+    model, adapter = build("hf/bert-base-uncased", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                           intermediate_size=128, vocab_size=1000)
+    model.train()
+    batch = adapter.example_batch(model, 8, seq_len=64)
+    opt = torch.optim.AdamW(model.parameters())
+    zoomem.wrap(model, budget=0.55, compress="auto", optimizer=opt, batch=batch)
+    plan = _plan(model)
+    assert plan.bits and any(u.decision != zoomem.Decision.KEEP and u.compact for u in plan.units), plan.summary()
+    assert plan.extras["measured_peak_bytes"] <= plan.budget_bytes
+    loss = adapter.loss(model, batch, batch.call(model))
+    loss.backward()
+    assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
 def test_gat_eight_bits_close_to_exact() -> None:
     model, adapter, batch = small("pyg/gat")
     model.eval()  # no dropout: the same function both ways (training=True only for the wrap)
@@ -459,9 +480,8 @@ def test_a_nodes_lossy_tensors_come_back_together() -> None:
 
 
 def test_compress_auto_falls_back_to_a_lossless_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the combined program finds no plan (it counts the compact forms as they run under the store, which hold
-    more; here forced to find none) a lossless plan that fits is used, and below both minimums the error names the
-    lower one."""
+    """Where the combined program finds no plan (its trace differs from the lossless one; here forced to find none)
+    a lossless plan that fits is used, and below both minimums the error names the lower one."""
     import importlib
 
     W = importlib.import_module("zoomem.runtime.wrap")  # the module (zoomem.runtime.wrap is also the function)

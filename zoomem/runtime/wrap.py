@@ -32,7 +32,7 @@ from ..compress.triton_kernels import use_triton
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
 from ..ops import Impl
-from ..ops.functional import separate_masks
+from ..ops.functional import separate_masks, stores_lossily
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN
 from .distributed import from_rank0, world_size
@@ -398,9 +398,10 @@ def _make(
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
     def lossless_instead(err: InfeasibleBudgetError) -> Plan:
-        """``compress="auto"`` covers every lossless plan, but its program counts the compact forms as they run
-        under the store (BatchNorm's xhat and mask, attention's softmax: more than the plain forms hold), so near
-        the lossless minimum it may find none: then plan without the store, and name the lower minimum."""
+        """``compress="auto"`` covers every lossless plan, but its trace differs from the lossless one (the
+        compact forms outside the units are measured as stored, and verification may refuse a plan the other
+        trace would not), so near the lossless minimum it may find none: then plan without the store, and name
+        the lower minimum."""
         if compress is None or budget_bytes is None:
             raise err
         try:
@@ -870,11 +871,14 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
         active = handle.active
         decision = active.decisions.get(unit.name, Decision.KEEP) if active is not None else Decision.KEEP
 
+        as_stored: list[bool] = []  # whether the compact forms ran as stored in this forward
+
         @contextlib.contextmanager
         def replay() -> Iterator[None]:  # recomputation in backward runs under the plan of its forward
             previous, handle.active = handle.active, active
             try:
-                yield
+                with separate_masks(bool(as_stored and as_stored[0])):  # and saves what its forward saved
+                    yield
             finally:
                 handle.active = previous
 
@@ -892,6 +896,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
         with contextlib.ExitStack() as stack:
             if active is not None and active.store is not None:
                 stack.enter_context(active.store.unit(unit.name, args, kwargs))
+            as_stored.append(stores_lossily())
             if chain is not None and decision == Decision.RECOMPUTE_CHAIN:
                 stack.enter_context(chain.dropping())
             out = run_unit(unit.module, original, decision, args, kwargs, replay)
