@@ -205,3 +205,18 @@ def test_bench_scale_quick(tmp_path):
         assert abs(p["scaled_mib"] - p["direct_mib"]) <= 0.01 * p["direct_mib"]
     plan = r["plan"]
     assert plan["traced_at"] == [2, 4, 8] and plan["measured_mib"] <= plan["budget_mib"]
+
+
+def test_point_errors_prints_every_point_of_a_level_plan():
+    """`scripts/point_errors.py` prints the cost model's points predicted beside measured; a lossy level's peak on
+    a one-layer BERT is predicted within 5% (the issue's bound), and every point has its measured value."""
+    cmd = [sys.executable, str(REPO / "scripts" / "point_errors.py"), "hf/bert-base-uncased", "--batch", "2",
+           "--seq-len", "64", "--set", "num_hidden_layers=1", "L1.2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    head = next(line for line in proc.stdout.splitlines() if line.startswith("== L1.2"))
+    predicted = float(head.split("predicted peak ")[1].split(" MiB")[0])
+    measured = float(head.split("measured ")[1].split(";")[0])
+    assert abs(predicted - measured) <= 0.05 * measured, head
+    points = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("forward", "backward"))]
+    assert len(points) >= 6 and all(p[-1] != "n/a" for p in points), proc.stdout

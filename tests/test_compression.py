@@ -267,14 +267,14 @@ def test_a_recomputed_compact_unit_replays_its_forms_beside_lossy_units() -> Non
                            intermediate_size=128, vocab_size=1000)
     model.train()
     batch = adapter.example_batch(model, 8, seq_len=64)
+    plain = _grads(model, adapter, batch)  # the same dropout masks in both runs (the store rounds with its own RNG)
     opt = torch.optim.AdamW(model.parameters())
     zoomem.wrap(model, budget=0.55, compress="auto", optimizer=opt, batch=batch)
     plan = _plan(model)
     assert plan.bits and any(u.decision != zoomem.Decision.KEEP and u.compact for u in plan.units), plan.summary()
     assert plan.extras["measured_peak_bytes"] <= plan.budget_bytes
-    loss = adapter.loss(model, batch, batch.call(model))
-    loss.backward()
-    assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    for a, b in zip(plain, _grads(model, adapter, batch)):  # 8 bits on one tensor, the rest exact
+        assert float((a - b).norm()) <= 0.05 * float(a.norm()) + 1e-6
 
 
 def test_gat_eight_bits_close_to_exact() -> None:

@@ -16,9 +16,15 @@ import torch
 
 from ..compress.quantize import BITS, quantized_nbytes
 
-__all__ = ["LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "get_level", "total_variance"]
+__all__ = ["LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "get_level", "region_of",
+           "total_variance"]
 
 logger = logging.getLogger(__name__)
+
+
+def region_of(key: str) -> str:
+    """The region (a unit's name, ``<stem>`` or ``<after:unit>``) of a saved tensor's key ``"<region>#<k>"``."""
+    return key.rsplit("#", 1)[0]
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..graph import OUTSIDE, OpGraph
 from ..graph.model import is_activation
-from .compression import SavedInfo
+from .compression import SavedInfo, region_of
 from .plan import Decision
 
 __all__ = ["CostModel", "EXPENSIVE_KINDS", "OUTSIDE_UNITS"]
@@ -320,12 +320,12 @@ class CostModel:
         by_seg: dict[int, list[tuple[str, int]]] = {}
         for seg, key, peak in self.backward_windows:
             by_seg.setdefault(seg, []).append((key, peak))
-        for k, groups in self.backward_groups().items():
+        for k, groups in self.unpack_groups().items():
             mine = {j for g in groups for j in g}
             walk = by_seg.get(k)
-            if not walk:
+            if not walk:  # groups in forward order (the order the forward packed them), run in about the reverse
                 states, before = [(0, (), ())], []
-                for g in groups:
+                for g in sorted(groups, key=min):
                     states.append((0, tuple(before), tuple(g)))
                     before += g
                 out[k] = states
@@ -347,11 +347,6 @@ class CostModel:
             out[k] = [(d, pending, cur) for (pending, cur), d in best.items()]
         return out
 
-    def backward_groups(self) -> dict[int, list[list[int]]]:
-        """:meth:`unpack_groups` with each segment's groups in forward order (by their first tensor's index in
-        ``saved``, which is the order the forward packed them): the backward runs them in about the reverse."""
-        return {k: sorted(groups, key=min) for k, groups in self.unpack_groups().items()}
-
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
         """Bytes a bit assignment takes off each memory point.
 
@@ -372,7 +367,7 @@ class CostModel:
         at_start = np.array([p.phase == "recompute" for p in self.points])
         in_backward = np.array([p.phase == "backward" for p in self.points])
         in_forward = ~(at_start | in_backward)
-        for s, k, alive in zip(self.saved, self.saved_seg, self.saved_alive or self.saved_seg):
+        for s, k, alive in zip(self.saved, self.saved_seg, self.saved_alive):
             b = bits.get(s.key)
             if b:
                 credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & at_start))
@@ -440,7 +435,7 @@ class CostModel:
     @staticmethod
     def stored_units(bits: dict[str, int] | None) -> frozenset[str]:
         """The regions (units) whose compact forms run as stored: those with a tensor stored lossily."""
-        return frozenset(key.rsplit("#", 1)[0] for key in bits or {})
+        return frozenset(map(region_of, bits or {}))
 
     def compact_gain(self, point: _Point, unit: str, decision: Decision, stored: bool = False) -> int:
         """Bytes the compact implementations of ``unit`` (under ``decision``; ``stored``: as they run in a unit

@@ -247,7 +247,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             if on == 2:
                 prob += v <= pulp.lpSum(in_region.get(u, []))
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
-    alive = dict(zip((s.key for s in model.saved), model.saved_alive or model.saved_seg))
+    alive = dict(zip((s.key for s in model.saved), model.saved_alive))
     # during segment k's backward its own tensors gain the least over the stretches of it (CostModel.
     # compress_gain_rows): own[k] <= (below the peak there) + (gains of those still packed) - (packed beside copies)
     own: dict[int, pulp.LpVariable] = {}

@@ -31,7 +31,7 @@ import torch
 from ..compress.quantize import Quantized, dequantize, quantize
 from ..measure import tensor_nbytes
 from ..ops.functional import separate_masks
-from ..planner.compression import SavedInfo
+from ..planner.compression import SavedInfo, region_of
 
 __all__ = ["SavedTensorStore", "lossy_reason", "MIN_NUMEL"]
 
@@ -165,7 +165,7 @@ class SavedTensorStore:
         before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs = "<stem>", {}, {}, {}
-        self._lossy_regions = frozenset(key.rsplit("#", 1)[0] for key in self.bits)
+        self._lossy_regions = frozenset(map(region_of, self.bits))
         self._bases, self._loose = {}, {}
         self._leaves = None if model is None else frozenset(
             _ptr(t) for t in (*model.parameters(), *model.buffers(), *_tensors(args, kwargs or {})))

@@ -871,13 +871,13 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
         active = handle.active
         decision = active.decisions.get(unit.name, Decision.KEEP) if active is not None else Decision.KEEP
 
-        as_stored: list[bool] = []  # whether the compact forms ran as stored in this forward
+        as_stored = False  # whether the compact forms run as stored in this forward (set once the store says)
 
         @contextlib.contextmanager
         def replay() -> Iterator[None]:  # recomputation in backward runs under the plan of its forward
             previous, handle.active = handle.active, active
             try:
-                with separate_masks(bool(as_stored and as_stored[0])):  # and saves what its forward saved
+                with separate_masks(as_stored):  # and saves what its forward saved
                     yield
             finally:
                 handle.active = previous
@@ -896,7 +896,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
         with contextlib.ExitStack() as stack:
             if active is not None and active.store is not None:
                 stack.enter_context(active.store.unit(unit.name, args, kwargs))
-            as_stored.append(stores_lossily())
+            as_stored = stores_lossily()
             if chain is not None and decision == Decision.RECOMPUTE_CHAIN:
                 stack.enter_context(chain.dropping())
             out = run_unit(unit.module, original, decision, args, kwargs, replay)
