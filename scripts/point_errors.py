@@ -1,0 +1,88 @@
+"""Predicted against measured bytes at every memory point of zoomem plans: where a cost model is off.
+
+    python scripts/point_errors.py hf/bert-base-uncased --batch 8 --set num_hidden_layers=2 L1.2 auto@0.9
+
+Each plan argument is a level (``L1.2``), ``lossless@F`` or ``auto@F`` (a budget of F times plain PyTorch's
+peak, lossless or ``compress="auto"``). The model is wrapped once (``level="L2"``); each plan is made on it as
+``zoomem.plan`` makes it, then one step runs under it with the memory timeline measured, and every point of the
+cost model (a segment's forward peak, backward peak, and the bytes live where its backward starts) is printed
+beside the measured one. Points are bytes above the step's start (parameters, optimizer state and batch apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import zoomem
+from zoomem import zoo
+from zoomem.graph.timeline import measure_timeline
+from zoomem.planner import Decision
+from zoomem.planner.compression import CompressOptions, get_level
+from zoomem.planner.costs import OUTSIDE_UNITS, _points
+from zoomem.runtime.wrap import _loss, _make
+
+MIB = 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a zoo id (zoomem.zoo), built from its config")
+    parser.add_argument("plans", nargs="+", help="L0..L3, lossless@F or auto@F")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="config override (layers)")
+    parser.add_argument("--seq-len", type=int, default=512, help="HF models")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model, adapter = zoo.build(args.model, **{k: int(v) for k, v in (s.split("=") for s in args.set)})
+    sizes = {"seq_len": args.seq_len} if args.model.startswith("hf/") else {}
+    batch = adapter.example_batch(model, args.batch, **sizes)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss_fn = lambda out, b: adapter.loss(model, b, out)  # noqa: E731
+    zoomem.wrap(model, level="L2", batch=batch, optimizer=optimizer, loss_fn=loss_fn, sensitivity_interval=0)
+    handle = model.__dict__["_zoomem"]
+    units = adapter.units(model)
+    for name in args.plans:
+        kind, _, frac = name.partition("@")
+        with handle.planning_scope():
+            try:
+                plan = _make(model, batch, float(frac) if frac else None, "ilp", adapter, optimizer, loss_fn, 10.0,
+                             compress=CompressOptions() if kind == "auto" else None,
+                             level=get_level(kind) if not frac else None)
+            except zoomem.InfeasibleBudgetError as exc:
+                print(f"== {name}: infeasible, min {exc.min_budget / MIB:.1f} MiB")
+                continue
+        costs = plan.extras["_planning"].costs if "_planning" in plan.extras else None
+        if costs is None:
+            print(f"== {name}: a lossless plan without its cost model here; use auto@F")
+            continue
+        decisions = {u.name: u.decision for u in plan.units}
+        compact = frozenset(u.name for u in plan.units if u.compact) | (
+            {OUTSIDE_UNITS} if plan.outside_compact else set())
+        predicted = costs.point_bytes(decisions, compact, plan.bits)
+        previous, handle.active = handle.active, handle.active_for(plan)
+        try:
+            with handle.planning_scope(), handle.active.hooks(model, batch):
+                store = handle.active.store
+                timeline = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units,
+                                            saved_hooks=(store._pack, store._unpack) if store is not None else None)
+        finally:
+            handle.active = previous
+        measured = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
+        recomputed = sum(d != Decision.KEEP for d in decisions.values())
+        print(f"== {name}: predicted peak {plan.predicted_peak_bytes / MIB:.1f} MiB, measured "
+              f"{(costs.fixed_bytes + max(measured.values())) / MIB:.1f}; {len(plan.bits)} tensors lossy, "
+              f"{recomputed} of {len(decisions)} units recomputed, {len(compact)} compact switches on")
+        print(f"   {'point':14s} {'plain':>9s} {'predicted':>10s} {'measured':>9s} {'error':>8s}  (MiB)")
+        for p, value in zip(costs.points, predicted):
+            got = measured.get((p.phase, p.seg))
+            err = f"{(value - got) / MIB:+8.1f}" if got is not None else "     n/a"
+            got_text = f"{got / MIB:9.1f}" if got is not None else "      n/a"
+            print(f"   {p.phase:9s} {p.seg:4d} {p.measured / MIB:9.1f} {value / MIB:10.1f} {got_text} {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
