@@ -42,6 +42,10 @@ class SavedInfo:
     measured: bool = True  # False: C_s is a value-range proxy (the model has an op without a double backward)
     node: int = -1  # the autograd node whose backward unpacks it (numbered by the probe; its tensors come back at once)
     unit_output: bool = False  # its memory is what its region's unit returns: the next forward holds it whole
+    held_through: str | None = None
+    """The last region (a unit, ``"<after:unit>"``) of the forward during which the model's own code still holds
+    this tensor's memory (HF's ``BertModel.forward`` keeps the embedding output in a local until it returns): until
+    then packing it frees nothing. The probe finds it (:func:`zoomem.runtime.probe.held_by_caller`)."""
 
     @property
     def numel(self) -> int:
@@ -59,7 +63,8 @@ class SavedInfo:
     def to_dict(self) -> dict:  # type: ignore[type-arg]
         return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
-                "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output}
+                "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output,
+                "held_through": self.held_through}
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ class CostModel:
     backward peak there, indices into ``saved`` still packed, indices unpacked by the node running)."""
     saved_alive: list[int] = field(default_factory=list)
     """Per saved tensor, the last segment whose forward holds it whole whatever its form: its own, a later unit's
-    that takes it as input, or the next one's when it is its unit's output (the caller holds that)."""
+    that takes it as input, the next one's when it is its unit's output (the caller holds that), or the last one
+    that starts while the model's code still holds it (:attr:`SavedInfo.held_through`)."""
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     grad_sq: float = 0.0
     fused_quantize: bool = False
@@ -280,7 +281,8 @@ class CostModel:
 
         self.saved = eligible(infos)
         self.saved_seg = [seg_of(s.region) for s in self.saved]
-        self.saved_alive = [max([k + int(s.unit_output), *(seg[u] for u in s.input_of if u in seg)])
+        self.saved_alive = [max([k + int(s.unit_output), *(seg[u] for u in s.input_of if u in seg),
+                                 seg_of(s.held_through) if s.held_through else k])
                             for s, k in zip(self.saved, self.saved_seg)]
         aliases = {s.key: s.lossy[len("duplicate of "):] for s in infos if (s.lossy or "").startswith("duplicate of ")}
         self.own_windows = self._own_windows(aliases)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,7 +27,7 @@ from .distributed import all_reduce_mean
 from .storage import SavedTensorStore
 from .units import restore_buffers
 
-__all__ = ["probe_saved", "EXACT_READS"]
+__all__ = ["probe_saved", "held_by_caller", "EXACT_READS"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,63 @@ def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
             h.remove()
 
 
+def held_by_caller(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[tuple[str, int], str]:
+    """(unit, index of its tensor argument) -> the last region (a unit, ``"<after:unit>"``) of the forward during
+    which the model's own code still holds that argument's memory, for the arguments held past their own unit.
+
+    A tensor a unit takes as input usually dies once the next unit has it (HF's layer loops rebind one name), so
+    packing what the unit saved of it frees memory while later units run. Some forwards keep it in a local: HF's
+    ``BertModel`` holds the embedding output until it returns, and a caller of ``nn.Sequential`` (timm's ViT
+    blocks, ResNet stages) holds the first block's input until the last block returns. An allocation trace cannot
+    see a Python reference, so one forward runs here with nothing saved for backward (its pack hook keeps nothing)
+    and, at each unit's start and each op that would save, looks which unit inputs are still alive. The weak
+    reference is to the memory's owner (:func:`~.storage._anchor`): a view dies with the op that made it, its base
+    does not."""
+    from .storage import _anchor, _tensors
+
+    alive: dict[tuple[str, int], weakref.ref] = {}  # type: ignore[type-arg]
+    held: dict[tuple[str, int], str] = {}
+    region = ["<stem>"]
+
+    def look() -> None:
+        for arg, ref in list(alive.items()):
+            if ref() is None:
+                del alive[arg]
+            elif arg[0] != region[0]:
+                held[arg] = region[0]
+
+    def pre(name: str) -> Callable:  # type: ignore[type-arg]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # type: ignore[type-arg]
+            region[0] = name
+            look()
+            alive.update(((name, i), weakref.ref(_anchor(t))) for i, t in enumerate(_tensors(args, kwargs)))
+
+        return hook
+
+    def post(name: str) -> Callable:  # type: ignore[type-arg]
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            region[0] = f"<after:{name}>"
+
+        return hook
+
+    def pack(t: torch.Tensor) -> None:  # keeps nothing: only the model's code holds tensors in this forward
+        look()
+
+    def unpack(packed: None) -> torch.Tensor:
+        raise RuntimeError("zoomem: the forward that finds tensors held by the model's code saved nothing")
+
+    handles = [h for u in units for h in (u.module.register_forward_pre_hook(pre(u.name), with_kwargs=True),
+                                          u.module.register_forward_hook(post(u.name), with_kwargs=True))]
+    try:
+        with _no_trace(model), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = batch.call(model)
+            del out
+    finally:
+        for h in handles:
+            h.remove()
+    return held
+
+
 @contextlib.contextmanager
 def _no_trace(model: nn.Module) -> Iterator[None]:
     """Restore RNG streams and buffers afterwards: the probe must not change the training run."""
@@ -170,7 +228,7 @@ def probe_saved(
     The forward runs as the model is set up now (the caller switches implementations on as the plan will).
     """
     t0 = time.perf_counter()
-    store = SavedTensorStore(record=True, generator=generator)
+    store = SavedTensorStore(record=True, generator=generator, held=held_by_caller(model, batch, units))
     grad_sq = 0.0
     with _no_trace(model), torch.enable_grad():
         # the CPU flash-attention kernel has no double backward: the same kernel and saved tensors, differentiably

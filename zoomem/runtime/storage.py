@@ -22,6 +22,7 @@ or Inf stays exact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -135,7 +136,12 @@ class SavedTensorStore:
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
     _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
     _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int, tuple, tuple]]] = field(default_factory=dict)
+    held: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    """With ``record``: (unit, index of its tensor argument) -> the last region during which the model's own code
+    still holds that memory (:func:`zoomem.runtime.probe.held_by_caller`); the tensors saved in it get
+    :attr:`SavedInfo.held_through`."""
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
+    _held_ptrs: dict[int, str] = field(default_factory=dict)
     _leaves: frozenset[int] | None = None
     _lossy_regions: frozenset[str] = frozenset()
 
@@ -144,11 +150,16 @@ class SavedTensorStore:
     def unit(self, name: str, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Iterator[None]:
         """Mark the forward of unit ``name``: tensors saved inside belong to its region."""
         if self.record:  # saved tensors sharing storage with a unit's input: a checkpoint of it would hold them
-            for t in _tensors(args, kwargs or {}):
-                for key in self._input_ptrs.get(_ptr(t), ()):
+            for index, t in enumerate(_tensors(args, kwargs or {})):
+                ptr, until = _ptr(t), self.held.get((name, index))
+                if until is not None:  # the tensors saved in it so far, and (in _pack) those saved later
+                    self._held_ptrs[ptr] = until
+                for key in self._input_ptrs.get(ptr, ()):
                     info = self.infos[key]
                     if info.region != name and name not in info.input_of:
                         info.input_of += (name,)
+                    if until is not None:
+                        info.held_through = until
         self._region = name
         # its compact forms save what rounding perturbs little only where it stores some tensor lossily; elsewhere
         # they run as without the store (the plan counts them so): no recording, and no bits for this unit's tensors
@@ -164,7 +175,7 @@ class SavedTensorStore:
         """Enter the hooks for one forward of ``model`` on ``args``/``kwargs`` (which tell what already exists
         before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
         owns them) so nothing outlives the backward that needs it."""
-        self._region, self._counts, self._seen, self._input_ptrs = "<stem>", {}, {}, {}
+        self._region, self._counts, self._seen, self._input_ptrs, self._held_ptrs = "<stem>", {}, {}, {}, {}
         self._lossy_regions = frozenset(map(region_of, self.bits))
         self._bases, self._loose = {}, {}
         self._leaves = None if model is None else frozenset(
@@ -175,7 +186,7 @@ class SavedTensorStore:
         finally:
             packed = [ref() for _, ref, _ in self._seen.values()]
             self.packed_nbytes = sum(p.quantized.nbytes for p in packed if p is not None and p.quantized is not None)
-            self._seen, self._input_ptrs, self._bases, self._loose = {}, {}, {}, {}
+            self._seen, self._input_ptrs, self._bases, self._loose, self._held_ptrs = {}, {}, {}, {}, {}
             if not self.record:
                 self.tensors = {}
 
@@ -223,7 +234,8 @@ class SavedTensorStore:
                     q, packed.device = q.to("cpu", non_blocking=True), t.device
                 packed = _Packed(None, q, packed.device)
         if self.record:
-            self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, tensor_nbytes(t), reason)
+            self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, tensor_nbytes(t), reason,
+                                        held_through=self._held_ptrs.get(_ptr(t)))
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
@@ -256,9 +268,7 @@ class SavedTensorStore:
             packed.view_of = (base, shape, stride, lo - offset)
             if self.record and packed.key in self.infos:
                 old = self.infos[packed.key]
-                self.infos[packed.key] = SavedInfo(old.key, old.region, old.shape, old.dtype, 0,
-                                                   f"duplicate of {base_key}", input_of=old.input_of,
-                                                   unit_output=old.unit_output)
+                self.infos[packed.key] = dataclasses.replace(old, nbytes=0, lossy=f"duplicate of {base_key}")
         self._loose[where] = kept
 
     def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
