@@ -18,11 +18,9 @@ import torch
 
 import zoomem
 from zoomem import zoo
-from zoomem.graph.timeline import measure_timeline
 from zoomem.planner import Decision
 from zoomem.planner.compression import CompressOptions, get_level
-from zoomem.planner.costs import OUTSIDE_UNITS, _points
-from zoomem.runtime.wrap import _loss, _make
+from zoomem.runtime.wrap import _make, plan_points
 
 MIB = 2**20
 
@@ -43,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = lambda out, b: adapter.loss(model, b, out)  # noqa: E731
     zoomem.wrap(model, level="L2", batch=batch, optimizer=optimizer, loss_fn=loss_fn, sensitivity_interval=0)
     handle = model.__dict__["_zoomem"]
-    units = adapter.units(model)
     for name in args.plans:
         kind, _, frac = name.partition("@")
         with handle.planning_scope():
@@ -58,26 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         if costs is None:
             print(f"== {name}: a lossless plan without its cost model here; use auto@F")
             continue
-        decisions = {u.name: u.decision for u in plan.units}
-        compact = frozenset(u.name for u in plan.units if u.compact) | (
-            {OUTSIDE_UNITS} if plan.outside_compact else set())
-        predicted = costs.point_bytes(decisions, compact, plan.bits)
-        previous, handle.active = handle.active, handle.active_for(plan)
-        try:
-            with handle.planning_scope(), handle.active.hooks(model, batch):
-                store = handle.active.store
-                timeline = measure_timeline(model, batch, _loss(adapter, model, loss_fn), units,
-                                            saved_hooks=(store._pack, store._unpack) if store is not None else None)
-        finally:
-            handle.active = previous
-        measured = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
-        recomputed = sum(d != Decision.KEEP for d in decisions.values())
+        points = plan_points(model, plan, costs, batch)
+        measured = [got for _, _, got in points if got is not None]
+        recomputed = sum(u.decision != Decision.KEEP for u in plan.units)
+        compact = sum(u.compact for u in plan.units) + int(plan.outside_compact)
         print(f"== {name}: predicted peak {plan.predicted_peak_bytes / MIB:.1f} MiB, measured "
-              f"{(costs.fixed_bytes + max(measured.values())) / MIB:.1f}; {len(plan.bits)} tensors lossy, "
-              f"{recomputed} of {len(decisions)} units recomputed, {len(compact)} compact switches on")
+              f"{(costs.fixed_bytes + max(measured)) / MIB:.1f}; {len(plan.bits)} tensors lossy, "
+              f"{recomputed} of {len(plan.units)} units recomputed, {compact} compact switches on")
         print(f"   {'point':14s} {'plain':>9s} {'predicted':>10s} {'measured':>9s} {'error':>8s}  (MiB)")
-        for p, value in zip(costs.points, predicted):
-            got = measured.get((p.phase, p.seg))
+        for p, value, got in points:
             err = f"{(value - got) / MIB:+8.1f}" if got is not None else "     n/a"
             got_text = f"{got / MIB:9.1f}" if got is not None else "      n/a"
             print(f"   {p.phase:9s} {p.seg:4d} {p.measured / MIB:9.1f} {value / MIB:10.1f} {got_text} {err}")

@@ -253,26 +253,15 @@ class _Holds(nn.Module):
 
 
 def _forward_points(model: nn.Module, batch: "zoomem.Batch") -> tuple[list[float], list[float]]:
-    """Predicted and measured MiB at each forward point of the level plan ``model`` is wrapped with."""
-    from zoomem.graph.timeline import measure_timeline
-    from zoomem.planner.costs import OUTSIDE_UNITS, _points
+    """Predicted and measured MiB at each forward point after the first unit's, under the level plan ``model`` is
+    wrapped with."""
+    from zoomem.runtime.wrap import plan_points
 
     handle = model.__dict__["_zoomem"]
     (plan,) = handle.plans.values()
-    costs = next(iter(handle.planning.values())).costs
-    compact = frozenset(u.name for u in plan.units if u.compact) | ({OUTSIDE_UNITS} if plan.outside_compact else set())
-    predicted = costs.point_bytes({u.name: u.decision for u in plan.units}, compact, plan.bits)
-    previous, handle.active = handle.active, handle.active_for(plan)
-    try:
-        with handle.planning_scope(), handle.active.hooks(model, batch):
-            store = handle.active.store
-            timeline = measure_timeline(model, batch, lambda out, b: out, handle.units,
-                                        saved_hooks=(store._pack, store._unpack))
-    finally:
-        handle.active = previous
-    measured = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
-    at = [(i, (p.phase, p.seg)) for i, p in enumerate(costs.points) if p.phase == "forward" and p.seg >= 2]
-    return [predicted[i] / 2**20 for i, _ in at], [measured[k] / 2**20 for _, k in at]
+    points = [(v, got) for p, v, got in plan_points(model, plan, next(iter(handle.planning.values())).costs, batch)
+              if p.phase == "forward" and p.seg >= 2]
+    return [v / 2**20 for v, _ in points], [got / 2**20 for _, got in points]
 
 
 def test_a_unit_input_the_models_code_holds_counts_whole_until_released() -> None:

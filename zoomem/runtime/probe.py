@@ -24,7 +24,7 @@ from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..planner.compression import SavedInfo, floor_sensitivities
 from .distributed import all_reduce_mean
-from .storage import SavedTensorStore
+from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
 
 __all__ = ["probe_saved", "held_by_caller", "EXACT_READS"]
@@ -160,8 +160,6 @@ def held_by_caller(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[tu
     and, at each unit's start and each op that would save, looks which unit inputs are still alive. The weak
     reference is to the memory's owner (:func:`~.storage._anchor`): a view dies with the op that made it, its base
     does not."""
-    from .storage import _anchor, _tensors
-
     alive: dict[tuple[str, int], weakref.ref] = {}  # type: ignore[type-arg]
     held: dict[tuple[str, int], str] = {}
     region = ["<stem>"]

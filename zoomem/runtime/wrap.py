@@ -29,6 +29,7 @@ from ..graph.timeline import BackwardWindow, measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte
 from ..compress.triton_kernels import use_triton
+from ..planner.costs import _points
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
 from ..ops import Impl
@@ -633,18 +634,38 @@ def _next_margin(margin: float, budget: int, tried: list[tuple[int, int]]) -> fl
     return max(margin, budget / max(target, 1.0) - 1)
 
 
-def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
-                   loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
-    """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
+def _measured_timeline(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
+                       loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit]) -> list:  # type: ignore[type-arg]
+    """The memory timeline of one real step under ``candidate``."""
     previous, handle.active = handle.active, handle.active_for(candidate)
     try:
         store = handle.active.store
         with handle.active.hooks(handle.model, batch):  # this forward's store state; the timeline calls into it
-            timeline = measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units,
-                                        saved_hooks=(store._pack, store._unpack) if store is not None else None)
+            return measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units,
+                                    saved_hooks=(store._pack, store._unpack) if store is not None else None)
     finally:
         handle.active = previous
+
+
+def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
+                   loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
+    """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
+    timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units)
     return fixed + max(t.peak_bytes for t in timeline) if timeline else None
+
+
+def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
+    """Every memory point of ``costs`` (what ``candidate``, a plan for the wrapped ``model``, was made from) with
+    the bytes the cost model predicts there under ``candidate`` and the bytes one real step under it measures
+    (``None`` where the step has no such point); bytes above the step's start. Where a cost model is off:
+    ``scripts/point_errors.py``."""
+    handle: _Handle = model.__dict__["_zoomem"]
+    active = _Active.of(candidate)
+    predicted = costs.point_bytes(active.decisions, active.compact, candidate.bits)
+    with handle.planning_scope():
+        timeline = _measured_timeline(handle, candidate, batch, handle.adapter, handle.loss_fn, handle.units)
+    measured = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
+    return [(p, float(v), measured.get((p.phase, p.seg))) for p, v in zip(costs.points, predicted)]
 
 
 def _check_compression(budget: Any, compress: str | CompressOptions | None, level: str | Level | None,
