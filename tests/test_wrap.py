@@ -218,7 +218,7 @@ def test_compact_implementations_save_what_was_predicted() -> None:
     predicted = costs.peak(plan.decisions, everything)
     loss, grads, peak = _step(model, adapter, batch)
     held = _held_after_forward(model, batch)
-    saving = sum(held for held, _, _ in costs.compact_saving.values())  # what they hold less after forward
+    saving = sum(s.held for s in costs.compact_saving.values())  # what they hold less after forward
     assert abs((ref_held - held) - saving) <= 0.05 * saving, (ref_held - held, saving)
     assert abs(predicted - peak) <= 0.05 * peak and peak < ref_peak
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)

@@ -49,10 +49,12 @@ class _Held:
         self.tensor, self.seg, self.raw, self.key = tensor, seg, raw, key
 
 
-BackwardWindow = tuple[int, str, int]
-"""(segment, key, peak bytes above the step's start) of one stretch of a backward: from autograd unpacking the
-saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it, ``"<region>#<k>"``)
-to its unpacking the next one; the first stretch of a segment has key ``""``."""
+BackwardWindow = tuple[int, str, int, int]
+"""(segment, key, peak bytes above the step's start, node) of one stretch of a backward: from autograd unpacking
+the saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it, ``"<region>#<k>"``)
+to its unpacking the next one; the first stretch of a segment has key ``""``. ``node`` numbers the autograd node
+that unpacked it (in the order backward runs them; -1 for a first stretch): the tensors one node unpacks come
+back together, and a split backward's second node unpacks only its weight."""
 
 
 def measure_timeline(
@@ -105,14 +107,15 @@ def _measure(
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}
     name_of = {u.module: u.name for u in units}
     meter = MemoryMeter(model, batch)
-    marks: list[tuple[int, str, float, bool, str]] = []  # (seg, phase, time, closes a segment, window key)
+    marks: list[tuple[int, str, float, bool, str, int]] = []  # (seg, phase, time, closes a segment, window key, node)
     state: dict[str, Any] = {"seg": 0, "inside": False, "bseg": head, "backward": False, "region": "<stem>",
-                             "key": ""}
+                             "key": "", "node": -1}
+    nodes: dict[int, int] = {}  # id of an autograd node -> its number (backward creates no nodes: ids stay unique)
     counts: dict[str, int] = {}
 
     def mark(seg: int, phase: str, closes: bool = True) -> None:
         meter.mark(f"{len(marks)}:{phase}:{seg}")
-        marks.append((seg, phase, time.perf_counter(), closes, state["key"]))
+        marks.append((seg, phase, time.perf_counter(), closes, state["key"], state["node"]))
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         mark(state["seg"], "forward")
@@ -135,10 +138,11 @@ def _measure(
     def unpack(h: Any) -> torch.Tensor:
         if h.seg != state["bseg"]:
             mark(state["bseg"], "backward")
-            state["bseg"], state["key"] = h.seg, ""
+            state["bseg"], state["key"], state["node"] = h.seg, "", -1
         if windows is not None and not h.raw and h.key != state["key"]:
             mark(state["bseg"], "backward", closes=False)
-            state["key"] = h.key
+            node = torch._C._current_autograd_node()
+            state["key"], state["node"] = h.key, -1 if node is None else nodes.setdefault(id(node), len(nodes))
         return inner_unpack(h.tensor) if inner_unpack and not h.raw else h.tensor
 
     handles = []
@@ -164,10 +168,10 @@ def _measure(
     out: list[SegmentStat] = []
     prev_end, prev_t = base, start
     current: list[Any] | None = None  # the segment being assembled from its stretches: seg, phase, start, peak, end
-    for (seg, phase, t, closes, key), stat in zip(marks, report.phases.values()):
+    for (seg, phase, t, closes, key, node), stat in zip(marks, report.phases.values()):
         peak = stat.peak_bytes - base
         if windows is not None and phase == "backward":
-            windows.append((seg, key, peak))
+            windows.append((seg, key, peak, node))
         if current is None:
             current = [seg, phase, prev_end - base, peak, stat.end_bytes - base]
         else:

@@ -17,6 +17,7 @@ units and storages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ..graph.model import is_activation
 from .compression import SavedInfo, region_of
 from .plan import Decision
 
-__all__ = ["CostModel", "EXPENSIVE_KINDS", "OUTSIDE_UNITS"]
+__all__ = ["CompactSaving", "CostModel", "EXPENSIVE_KINDS", "OUTSIDE_UNITS"]
 
 OUTSIDE_UNITS = "<outside>"
 """The compact switch of the modules no unit contains (a head's linear, a stem's pooling, PyG's activations
@@ -45,6 +46,26 @@ class _Storage:
     input_of: set[int] = field(default_factory=set)  # unit segments that take it as input
     cheap_kept_by: set[int] = field(default_factory=set)  # unit segments that keep it under RECOMPUTE_CHEAP
     last_forward_use: int = 0
+
+
+class CompactSaving(NamedTuple):
+    """What one unit's compact implementations take off, measured as the step with every one on against the step
+    without (negative: they hold more, a CSR adjacency)."""
+
+    held: int
+    """After its forward: the bytes it holds."""
+    local_fwd: int
+    """Its forward's own rise."""
+    local_bwd: int
+    """Its backward's own rise."""
+    released: int = 0
+    """Where its backward starts, beyond ``held``: what its forms let go of earlier. A tensor that outlives the
+    forward anyway (the unit's output, held by the next unit) but that the plain form also saves (ReLU its
+    output) is freed there by the next unit's backward instead of its own; one a form saves that the plain one
+    does not (LayerNorm its output) is held longer."""
+
+
+_NO_SAVING = CompactSaving(0, 0, 0, 0)
 
 
 @dataclass
@@ -67,11 +88,10 @@ class CostModel:
     transient: dict[int, int]
     saved_bytes: dict[str, int]
     step_s: float
-    compact_saving: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    """Per unit with compact implementations: bytes they take off (held after its forward, its forward's
-    own rise, its backward's own rise), measured plain with and without them."""
+    compact_saving: dict[str, CompactSaving] = field(default_factory=dict)
+    """Per unit with compact implementations: bytes they take off, measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
-    compact_saving_stored: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    compact_saving_stored: dict[str, CompactSaving] = field(default_factory=dict)
     """The same for every unit with compact implementations, as they run under zoomem's saved-tensor store, in a
     unit that stores some tensor lossily (they save what rounding perturbs little: attention its softmax too).
     Empty unless the trace was made for lossy plans; a unit runs them so exactly where the plan has bits for a
@@ -81,9 +101,9 @@ class CostModel:
     saved: list[SavedInfo] = field(default_factory=list)
     """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
     saved_seg: list[int] = field(default_factory=list)
-    backward_windows: list[tuple[int, str, int]] = field(default_factory=list)
+    backward_windows: list[tuple[int, str, int, int]] = field(default_factory=list)
     """The backward of the step as lossy plans run it (compact forms on), cut at every saved tensor unpacked:
-    (segment, key, peak bytes), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
+    (segment, key, peak bytes, node), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
     own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
     """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
     backward peak there, indices into ``saved`` still packed, indices unpacked by the node running)."""
@@ -312,16 +332,19 @@ class CostModel:
 
     def _own_windows(self, aliases: dict[str, str]) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
         """:attr:`own_windows` from :attr:`backward_windows`: walking a segment's backward, the node running holds
-        dequantized copies of its group (:meth:`unpack_groups`; a duplicate's unpacking is its base's), a tensor
-        not yet unpacked for the last time is still packed, and one past that is gone (in the plain step too).
+        dequantized copies of the lossy-eligible tensors it unpacks (a duplicate's unpacking is its base's), a
+        tensor not yet unpacked for the last time is still packed, and one past that is gone (in the plain step
+        too). The node is the one each window records; a node that unpacks only tensors kept exact (a split
+        backward's grad-input node, its weight) holds no copy: its grad-weight node has let go of the input's.
+        Windows without nodes (older traces) take the node of the tensor's :meth:`unpack_groups` group.
         Without windows (a trace extrapolated from smaller batches) each group in forward order is taken to run
         at the segment's peak, the backward running them in reverse: never more gain than there is."""
         index = {s.key: j for j, s in enumerate(self.saved)}
         group_of = {j: tuple(g) for groups in self.unpack_groups().values() for g in groups for j in g}
         out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
-        by_seg: dict[int, list[tuple[str, int]]] = {}
-        for seg, key, peak in self.backward_windows:
-            by_seg.setdefault(seg, []).append((key, peak))
+        by_seg: dict[int, list[tuple[str, int, int]]] = {}
+        for seg, key, peak, *node in self.backward_windows:
+            by_seg.setdefault(seg, []).append((key, peak, node[0] if node else -1))
         for k, groups in self.unpack_groups().items():
             mine = {j for g in groups for j in g}
             walk = by_seg.get(k)
@@ -332,12 +355,18 @@ class CostModel:
                     before += g
                 out[k] = states
                 continue
-            top = max(peak for _, peak in walk)
+            top = max(peak for _, peak, _ in walk)
+            own = [index.get(aliases.get(key, key)) for key, _, _ in walk]
+            unpacks: dict[int, set[int]] = {}  # node -> the segment's eligible tensors it unpacks
+            for (_, _, node), j in zip(walk, own):
+                if node >= 0 and j is not None and j in mine:
+                    unpacks.setdefault(node, set()).add(j)
             current: tuple[int, ...] = ()
             running = []
-            for key, peak in walk:
-                j = index.get(aliases.get(key, key))
-                if j is not None and j in mine:
+            for (key, peak, node), j in zip(walk, own):
+                if node >= 0:
+                    current = tuple(sorted(unpacks.get(node, ())))
+                elif j is not None and j in mine:
                     current = group_of[j]
                 running.append((top - peak, current))
             last = {j: i for i, (_, cur) in enumerate(running) for j in cur}
@@ -442,16 +471,15 @@ class CostModel:
     def compact_gain(self, point: _Point, unit: str, decision: Decision, stored: bool = False) -> int:
         """Bytes the compact implementations of ``unit`` (under ``decision``; ``stored``: as they run in a unit
         storing tensors lossily) take off this point."""
-        held, local_fwd, local_bwd = (self.compact_saving_stored if stored else self.compact_saving).get(unit, (0, 0, 0))
+        held, local_fwd, local_bwd, released = (self.compact_saving_stored if stored else self.compact_saving).get(
+            unit, _NO_SAVING)
         seg = self.units.index(unit) + 1
         if point.seg > seg:  # its compact forms are what it holds, if it holds its tensors at all
             return held if decision == Decision.KEEP else 0
         if point.seg == seg:  # its backward starts with what it holds (kept, or recomputed just before)
-            if point.phase == "forward":
-                return local_fwd
-            if point.phase == "backward":
-                return held + local_bwd
-            return local_fwd if decision != Decision.KEEP else held  # recompute runs the compact forward again
+            if decision != Decision.KEEP:  # the recomputation runs the compact forward again, its output held anyway
+                return {"forward": local_fwd, "backward": held + local_bwd}.get(point.phase, local_fwd)
+            return {"forward": local_fwd, "backward": held + released + local_bwd}.get(point.phase, held + released)
         return 0
 
     def peak(
@@ -620,11 +648,10 @@ class CostModel:
 
 
 def _compact_savings(names: list[str], seg_of_unit: dict[str, int], base: list, compact: list,
-                     every: bool = False) -> tuple[dict[str, tuple[int, int, int]], dict[str, float]]:
-    """Per unit with compact implementations, what they take off (held after its forward, its forward's own rise,
-    its backward's own rise) and the time they add, from the timeline with every one on against ``base``. Only
-    units whose forms take something off somewhere, unless ``every``."""
-    saving: dict[str, tuple[int, int, int]] = {}
+                     every: bool = False) -> tuple[dict[str, CompactSaving], dict[str, float]]:
+    """Per unit with compact implementations, what they take off and the time they add, from the timeline with
+    every one on against ``base``. Only units whose forms take something off somewhere, unless ``every``."""
+    saving: dict[str, CompactSaving] = {}
     seconds: dict[str, float] = {}
     if not compact or len(compact) != len(base):
         return saving, seconds
@@ -641,7 +668,10 @@ def _compact_savings(names: list[str], seg_of_unit: dict[str, int], base: list, 
         held = (a.end_bytes - a.start_bytes) - (b.end_bytes - b.start_bytes)
         local_fwd = (a.peak_bytes - a.start_bytes) - (b.peak_bytes - b.start_bytes)
         local_bwd = max(((x.peak_bytes - x.start_bytes) - (y.peak_bytes - y.start_bytes) for x, y in bwd), default=0)
-        gains = (held, local_fwd, local_bwd)  # negative: the compact forms hold more (a CSR adjacency)
+        # where its backward starts both steps differ by what every form holds less since this unit's forward
+        # ended (the same in both) plus this unit's own release: the later units have let go of all theirs
+        released = (bwd[0][0].start_bytes - bwd[0][1].start_bytes) - (a.end_bytes - b.end_bytes) if bwd else 0
+        gains = CompactSaving(held, local_fwd, local_bwd, released)
         if every or max(gains) > 0:
             saving[name] = gains
             seconds[name] = max(0.0, sum(y.time_s - x.time_s for x, y in pairs))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .compression import SavedInfo
-from .costs import CostModel, _Point, _Storage
+from .costs import _NO_SAVING, CompactSaving, CostModel, _Point, _Storage
 
 __all__ = ["Scale", "ScalingError", "scale_costs", "scale_saved", "trace_sizes"]
 
@@ -81,22 +81,22 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
 
     stored = {}
     for unit in [u for u in large.units if u in small.compact_saving_stored or u in large.compact_saving_stored]:
-        a3, b3 = small.compact_saving_stored.get(unit, (0, 0, 0)), large.compact_saving_stored.get(unit, (0, 0, 0))
-        stored[unit] = (by(a3[0], b3[0]), by(a3[1], b3[1]), by(a3[2], b3[2]))
+        a3, b3 = small.compact_saving_stored.get(unit, _NO_SAVING), large.compact_saving_stored.get(unit, _NO_SAVING)
+        stored[unit] = CompactSaving(*(by(x, y) for x, y in zip(a3, b3)))
     compact = {}
     for unit in [u for u in large.units if u in small.compact_saving or u in large.compact_saving]:
-        a3, b3 = small.compact_saving.get(unit, (0, 0, 0)), large.compact_saving.get(unit, (0, 0, 0))
-        gains = (by(a3[0], b3[0]), by(a3[1], b3[1]), by(a3[2], b3[2]))
+        a3, b3 = small.compact_saving.get(unit, _NO_SAVING), large.compact_saving.get(unit, _NO_SAVING)
+        gains = CompactSaving(*(by(x, y) for x, y in zip(a3, b3)))
         if max(gains) > 0:  # as the trace keeps them: only forms that take something off somewhere
             compact[unit] = gains
     outside: list[int] = []
     if small.outside_gain or large.outside_gain:
         zeros = [0] * len(points)
         outside = [by(a, b) for a, b in zip(small.outside_gain or zeros, large.outside_gain or zeros)]
-    windows: list[tuple[int, str, int]] = []
-    if [w[:2] for w in small.backward_windows] == [w[:2] for w in large.backward_windows]:
-        windows = [(seg, key, by(a, b)) for (seg, key, a), (_, _, b) in zip(small.backward_windows,
-                                                                           large.backward_windows)]
+    windows: list[tuple[int, str, int, int]] = []
+    if [(w[:2], w[3]) for w in small.backward_windows] == [(w[:2], w[3]) for w in large.backward_windows]:
+        windows = [(seg, key, by(a, b), node) for (seg, key, a, node), (_, _, b, _) in zip(small.backward_windows,
+                                                                                          large.backward_windows)]
     return dataclasses.replace(
         large,
         fixed_bytes=by(small.fixed_bytes, large.fixed_bytes),
