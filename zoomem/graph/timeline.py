@@ -21,7 +21,7 @@ from ..adapters import Unit
 from ..batch import Batch
 from ..measure import MemoryMeter
 
-__all__ = ["SegmentStat", "measure_timeline"]
+__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_timeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class _Held:
         self.tensor, self.seg, self.raw, self.key = tensor, seg, raw, key
 
 
+ForwardWindow = tuple[int, str, int]
+"""(segment, key, peak bytes above the step's start) of one stretch of a forward: from saving the tensor ``key``
+to saving the next one (or the segment's end); a segment's first stretch has key ``""``."""
+
 BackwardWindow = tuple[int, str, int, int]
 """(segment, key, peak bytes above the step's start, node) of one stretch of a backward: from autograd unpacking
 the saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it, ``"<region>#<k>"``)
@@ -61,12 +65,14 @@ def measure_timeline(
     model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
     saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
     windows: list[BackwardWindow] | None = None,
+    forward_windows: list[ForwardWindow] | None = None,
 ) -> list[SegmentStat]:
     """Run one plain training step of ``model`` and return its segments in execution order.
 
     ``windows``, a list, receives the backward cut finer, at every saved tensor unpacked (:data:`BackwardWindow`):
     where in a unit's backward its peak is, which tells the planner which of its lossy tensors are still packed
-    there.
+    there. ``forward_windows`` receives the forward cut at every tensor saved (:data:`ForwardWindow`): which of
+    them are packed, and free, before a unit's forward peaks.
 
     The step's own saved-tensor hooks (they mark where backward crosses a unit) sit innermost, so a runtime
     that stores saved tensors in its own form passes its ``(pack, unpack)`` as ``saved_hooks`` to be measured.
@@ -88,7 +94,7 @@ def measure_timeline(
         for p in params:
             p.grad = None
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return _measure(model, batch, loss_fn, units, saved_hooks, windows)
+            return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
     finally:
         with torch.no_grad():
             for b, old in zip(buffers, saved):
@@ -101,6 +107,7 @@ def _measure(
     model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
     saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
     windows: list[BackwardWindow] | None = None,
+    forward_windows: list[ForwardWindow] | None = None,
 ) -> list[SegmentStat]:
     n = len(units)
     head = n + 1
@@ -119,12 +126,13 @@ def _measure(
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         mark(state["seg"], "forward")
-        state["seg"], state["inside"], state["region"] = seg_of[mod], True, name_of[mod]
+        state["seg"], state["inside"], state["region"], state["key"] = seg_of[mod], True, name_of[mod], ""
 
     def post_hook(mod: nn.Module, args: Any, out: Any) -> None:
         k = seg_of[mod]
         mark(k, "forward")
         state["seg"], state["inside"], state["region"] = (k if k < n else head), False, f"<after:{name_of[mod]}>"
+        state["key"] = ""
 
     inner_pack, inner_unpack = saved_hooks or (None, None)
 
@@ -133,6 +141,9 @@ def _measure(
             return _Held(t, state["bseg"], raw=True)  # its own short-lived graph: no segment, not the runtime's
         region = state["region"]  # every save counted, as the saved-tensor store keys them
         k = counts[region] = counts.get(region, -1) + 1
+        if forward_windows is not None:
+            mark(state["seg"], "forward", closes=False)
+            state["key"] = f"{region}#{k}"
         return _Held(inner_pack(t) if inner_pack else t, state["seg"], key=f"{region}#{k}")
 
     def unpack(h: Any) -> torch.Tensor:
@@ -156,7 +167,7 @@ def _measure(
                 output = batch.call(model)
                 loss = loss_fn(output, batch)
                 mark(state["seg"], "forward")
-                state["backward"] = True
+                state["backward"], state["key"] = True, ""
                 loss.backward()
                 mark(state["bseg"], "backward")
             del output, loss
@@ -172,6 +183,8 @@ def _measure(
         peak = stat.peak_bytes - base
         if windows is not None and phase == "backward":
             windows.append((seg, key, peak, node))
+        if forward_windows is not None and phase == "forward":
+            forward_windows.append((seg, key, peak))
         if current is None:
             current = [seg, phase, prev_end - base, peak, stat.end_bytes - base]
         else:

@@ -107,6 +107,13 @@ class CostModel:
     own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
     """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
     backward peak there, indices into ``saved`` still packed, indices unpacked by the node running)."""
+    forward_windows: list[tuple[int, str, int]] = field(default_factory=list)
+    """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes), in
+    order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
+    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = field(default_factory=dict)
+    """Per segment, its forward's stretches as its own lossy-eligible tensors stand there: (bytes below the
+    segment's forward peak, indices into ``saved`` packed and free by then, those packed but still held by the
+    model's code, the one whose packing opens the stretch or -1)."""
     saved_alive: list[int] = field(default_factory=list)
     """Per saved tensor, the last segment whose forward holds it whole whatever its form: its own, a later unit's
     that takes it as input, the next one's when it is its unit's output (the caller holds that), or the last one
@@ -306,6 +313,7 @@ class CostModel:
                             for s, k in zip(self.saved, self.saved_seg)]
         aliases = {s.key: s.lossy[len("duplicate of "):] for s in infos if (s.lossy or "").startswith("duplicate of ")}
         self.own_windows = self._own_windows(aliases)
+        self.own_forward = self._own_forward()
         self.grad_sq = grad_sq
         self.compress_s_per_byte = dict(seconds_per_byte)
         if fused is not None:
@@ -378,13 +386,41 @@ class CostModel:
             out[k] = [(d, pending, cur) for (pending, cur), d in best.items()]
         return out
 
+    def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]]:
+        """:attr:`own_forward` from :attr:`forward_windows` and each tensor's :attr:`SavedInfo.dead_at`: a tensor
+        is packed from the stretch its saving opens, and free from the one its ``dead_at`` save opens."""
+        by_seg: dict[int, list[tuple[str, int]]] = {}
+        for seg, key, peak in self.forward_windows:
+            by_seg.setdefault(seg, []).append((key, peak))
+        mine: dict[int, list[int]] = {}
+        for j, k in enumerate(self.saved_seg):
+            mine.setdefault(k, []).append(j)
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+        for k, walk in by_seg.items():
+            if k not in mine:
+                continue
+            top = max(peak for _, peak in walk)
+            opens = {key: i for i, (key, _) in enumerate(walk) if key}
+            never = len(walk)
+            states = []
+            for i, (key, peak) in enumerate(walk):
+                packed = [j for j in mine[k] if opens.get(self.saved[j].key, never) <= i]
+                free = tuple(j for j in packed if opens.get(self.saved[j].dead_at or "", never) <= i)
+                held = tuple(j for j in packed if j not in free)
+                opened = next((j for j in packed if self.saved[j].key == key), -1)
+                states.append((top - peak, free, held, opened))
+            out[k] = states
+        return out
+
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
         """Bytes a bit assignment takes off each memory point.
 
         A tensor saved in segment k is held packed at every point after k's forward and when k's backward starts;
-        during k's forward it counts whole (which also covers quantizing's scratch, a chunk's worth: the tensors
-        packed before the forward's peak are not credited either), and so during the later forwards that hold
-        it whole anyway (:attr:`saved_alive`). During k's own backward the gain is the least over the stretches
+        during the later forwards that hold it whole anyway (:attr:`saved_alive`) it counts whole. During k's own
+        forward the gain is the least over its stretches (:attr:`own_forward`) of what the stretch lies below the
+        peak plus the tensors packed and free by then, less the packed forms of those the model's code still holds
+        and the quantization scratch of the one being packed (without stretches, a trace extrapolated from smaller
+        batches: none, and everything whole). During k's own backward the gain is the least over the stretches
         of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the
         tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
         node running (a backward node unpacks all it saved at once: attention's q, k, v and softmax); the tensors
@@ -403,10 +439,15 @@ class CostModel:
             if b:
                 credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & at_start))
                 out += credited * (s.nbytes - s.packed_nbytes(b))
+        gain = lambda j: self.saved[j].nbytes - self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
+        packed = lambda j: self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
+        lossy = lambda js: [j for j in js if j >= 0 and bits.get(self.saved[j].key)]  # noqa: E731
+        packing = lambda j: self.scratch(self.saved[j], bits[self.saved[j].key])[0]  # noqa: E731
+        for k, fstates in self.own_forward.items():
+            least = min(d + sum(gain(j) for j in lossy(free)) - sum(packed(j) for j in lossy(held))
+                        - sum(packing(j) for j in lossy([opened])) for d, free, held, opened in fstates)
+            out += ((seg == k) & in_forward) * least
         for k, states in self.own_windows.items():
-            gain = lambda j: self.saved[j].nbytes - self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
-            packed = lambda j: self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
-            lossy = lambda js: [j for j in js if bits.get(self.saved[j].key)]  # noqa: E731
             least = min(d + sum(gain(j) for j in lossy(pending)) - sum(packed(j) for j in lossy(cur))
                         for d, pending, cur in states)
             scratch = max((self.scratch(self.saved[j], bits[self.saved[j].key])[1] for _, _, cur in states

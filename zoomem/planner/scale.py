@@ -97,6 +97,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     if [(w[:2], w[3]) for w in small.backward_windows] == [(w[:2], w[3]) for w in large.backward_windows]:
         windows = [(seg, key, by(a, b), node) for (seg, key, a, node), (_, _, b, _) in zip(small.backward_windows,
                                                                                           large.backward_windows)]
+    forward_windows: list[tuple[int, str, int]] = []
+    if [w[:2] for w in small.forward_windows] == [w[:2] for w in large.forward_windows]:
+        forward_windows = [(seg, key, by(a, b)) for (seg, key, a), (_, _, b) in zip(small.forward_windows,
+                                                                                  large.forward_windows)]
     return dataclasses.replace(
         large,
         fixed_bytes=by(small.fixed_bytes, large.fixed_bytes),
@@ -113,8 +117,8 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
         compact_recompute=large.compact_recompute & frozenset(compact),
         outside_gain=outside,
         compact_saving_stored=stored,
-        saved=[], saved_seg=[], saved_alive=[], own_windows={},
-        backward_windows=windows,
+        saved=[], saved_seg=[], saved_alive=[], own_windows={}, own_forward={},
+        backward_windows=windows, forward_windows=forward_windows,
     )
 
 

@@ -264,6 +264,21 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                                                             for s, b in lossy(pending))
                                               - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(cur))
                                               ) * _PER_MIB
+    # during segment k's forward its own tensors gain the least over its stretches (CostModel.compress_gain_rows):
+    # fwd[k] <= (below the peak there) + (gains of those packed and free) - (packed beside the whole) - (scratch)
+    fwd: dict[int, pulp.LpVariable] = {}
+    if q:
+        for k, fstates in model.own_forward.items():
+            if not any(lossy(free) or lossy(held) or opened >= 0 and lossy([opened]) for _, free, held, opened in fstates):
+                continue
+            fwd[k] = pulp.LpVariable(f"fwd_{k}")
+            for d, free, held, opened in fstates:
+                prob += fwd[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
+                                                            for s, b in lossy(free))
+                                              - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(held))
+                                              - pulp.lpSum(model.scratch(s, b)[0] * q[s.key, b]
+                                                           for s, b in lossy([opened] if opened >= 0 else []))
+                                              ) * _PER_MIB
     # dequantizing holds scratch beside the copy: the largest in a segment's backward (CostModel.compress_gain_rows)
     unpacking: dict[int, pulp.LpVariable] = {}
     for (key, b), v in q.items():
@@ -328,6 +343,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= pulp.lpSum(gains)
         if p.phase == "backward" and p.seg in own:
             expr -= own[p.seg]
+        if p.phase == "forward" and p.seg in fwd:
+            expr -= fwd[p.seg]
         if p.phase == "backward" and p.seg in unpacking:
             expr += unpacking[p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances

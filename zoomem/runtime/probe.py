@@ -22,12 +22,13 @@ from ..adapters import Unit
 from ..batch import Batch
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
+from ..ops.functional import separate_masks
 from ..planner.compression import SavedInfo, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
 
-__all__ = ["probe_saved", "held_by_caller", "EXACT_READS"]
+__all__ = ["probe_saved", "held_by_caller", "liveness", "EXACT_READS"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,26 +151,46 @@ def _regions(store: SavedTensorStore, units: list[Unit]) -> Iterator[None]:
 
 def held_by_caller(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[tuple[str, int], str]:
     """(unit, index of its tensor argument) -> the last region (a unit, ``"<after:unit>"``) of the forward during
-    which the model's own code still holds that argument's memory, for the arguments held past their own unit.
+    which the model's own code still holds that argument's memory, for the arguments held past their own unit
+    (:func:`liveness`)."""
+    return liveness(model, batch, units)[0]
 
-    A tensor a unit takes as input usually dies once the next unit has it (HF's layer loops rebind one name), so
-    packing what the unit saved of it frees memory while later units run. Some forwards keep it in a local: HF's
-    ``BertModel`` holds the embedding output until it returns, and a caller of ``nn.Sequential`` (timm's ViT
-    blocks, ResNet stages) holds the first block's input until the last block returns. An allocation trace cannot
-    see a Python reference, so one forward runs here with nothing saved for backward (its pack hook keeps nothing)
-    and, at each unit's start and each op that would save, looks which unit inputs are still alive. The weak
-    reference is to the memory's owner (:func:`~.storage._anchor`): a view dies with the op that made it, its base
-    does not."""
+
+def liveness(model: nn.Module, batch: Batch, units: list[Unit]
+             ) -> tuple[dict[tuple[str, int], str], dict[str, str]]:
+    """What the model's own code holds, seen in one forward that saves nothing for backward (its pack hook keeps
+    nothing, so only the model's code and the ops running hold tensors; an allocation trace cannot see a Python
+    reference). The weak references are to each memory's owner (:func:`~.storage._anchor`): a view dies with the
+    op that made it, its base does not. Returns:
+
+    - (unit, index of its tensor argument) -> the last region (a unit, ``"<after:unit>"``) during which that
+      argument's memory is still held, for the arguments held past their own unit. A unit input usually dies once
+      the next unit has it (HF's layer loops rebind one name), so packing what the unit saved of it frees memory
+      while later units run. Some forwards keep it in a local: HF's ``BertModel`` holds the embedding output until
+      it returns, and a caller of ``nn.Sequential`` (timm's ViT blocks, ResNet stages) the first block's input
+      until the last block returns.
+    - saved tensor key (as :class:`~.storage.SavedTensorStore` names it) -> the key of the first later save in the
+      same region by which its memory is free (:attr:`~zoomem.planner.compression.SavedInfo.dead_at`). The forward
+      runs the compact forms as the store runs them (:func:`~zoomem.ops.functional.separate_masks`), so its saves
+      are the recording's, key for key."""
     alive: dict[tuple[str, int], weakref.ref] = {}  # type: ignore[type-arg]
     held: dict[tuple[str, int], str] = {}
+    saved: dict[str, weakref.ref] = {}  # type: ignore[type-arg]
+    dead_at: dict[str, str] = {}
+    counts: dict[str, int] = {}
     region = ["<stem>"]
 
-    def look() -> None:
+    def look(key: str | None = None) -> None:
         for arg, ref in list(alive.items()):
             if ref() is None:
                 del alive[arg]
             elif arg[0] != region[0]:
                 held[arg] = region[0]
+        for k, ref in list(saved.items()):
+            if ref() is None:
+                del saved[k]
+                if key is not None and k.rpartition("#")[0] == region[0]:
+                    dead_at[k] = key
 
     def pre(name: str) -> Callable:  # type: ignore[type-arg]
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # type: ignore[type-arg]
@@ -181,12 +202,19 @@ def held_by_caller(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[tu
 
     def post(name: str) -> Callable:  # type: ignore[type-arg]
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            look()
             region[0] = f"<after:{name}>"
 
         return hook
 
     def pack(t: torch.Tensor) -> None:  # keeps nothing: only the model's code holds tensors in this forward
-        look()
+        k = counts[region[0]] = counts.get(region[0], -1) + 1
+        key = f"{region[0]}#{k}"
+        look(key)
+        try:
+            saved[key] = weakref.ref(_anchor(t))
+        except TypeError:  # not weak-referenceable: counted held
+            pass
 
     def unpack(packed: None) -> torch.Tensor:
         raise RuntimeError("zoomem: the forward that finds tensors held by the model's code saved nothing")
@@ -194,13 +222,14 @@ def held_by_caller(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[tu
     handles = [h for u in units for h in (u.module.register_forward_pre_hook(pre(u.name), with_kwargs=True),
                                           u.module.register_forward_hook(post(u.name), with_kwargs=True))]
     try:
-        with _no_trace(model), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with _no_trace(model), torch.enable_grad(), separate_masks(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = batch.call(model)
             del out
     finally:
         for h in handles:
             h.remove()
-    return held
+    return held, dead_at
 
 
 @contextlib.contextmanager
@@ -226,7 +255,8 @@ def probe_saved(
     The forward runs as the model is set up now (the caller switches implementations on as the plan will).
     """
     t0 = time.perf_counter()
-    store = SavedTensorStore(record=True, generator=generator, held=held_by_caller(model, batch, units))
+    held, dead_at = liveness(model, batch, units)
+    store = SavedTensorStore(record=True, generator=generator, held=held)
     grad_sq = 0.0
     with _no_trace(model), torch.enable_grad():
         # the CPU flash-attention kernel has no double backward: the same kernel and saved tensors, differentiably
@@ -246,6 +276,8 @@ def probe_saved(
             floor_sensitivities(list(store.infos.values()))
         del out, loss
     infos = list(store.infos.values())
+    for info in infos:
+        info.dead_at = dead_at.get(info.key)
     store.tensors.clear()
     logger.info("zoomem: measured %d saved tensors%s in %.2f s", len(infos),
                 " and their sensitivities" if sensitivity else "", time.perf_counter() - t0)

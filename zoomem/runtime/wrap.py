@@ -25,7 +25,7 @@ from torch import nn
 from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..graph import OpGraph, trace
-from ..graph.timeline import BackwardWindow, measure_timeline
+from ..graph.timeline import BackwardWindow, ForwardWindow, measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte
 from ..compress.triton_kernels import use_triton
@@ -318,6 +318,7 @@ def cost_model(
         finally:
             undo()
     windows: list[BackwardWindow] | None = [] if lossy else None
+    forward_windows: list[ForwardWindow] | None = [] if lossy else None
     stored: list = []  # type: ignore[type-arg]
     if any(pairs for u, pairs in chosen.items() if u != OUTSIDE_UNITS) and graph.timeline:
         undo = install_all(chosen)
@@ -325,7 +326,8 @@ def cost_model(
             graph.timeline_compact = measure_timeline(model, batch, loss, units)
             if lossy:  # and as they run in units that store tensors lossily
                 with separate_masks():
-                    stored = measure_timeline(model, batch, loss, units, windows=windows)
+                    stored = measure_timeline(model, batch, loss, units, windows=windows,
+                                              forward_windows=forward_windows)
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
@@ -336,12 +338,13 @@ def cost_model(
         undo = install_all(chosen)
         try:
             with as_stored():
-                measure_timeline(model, batch, loss, units, windows=windows)
+                measure_timeline(model, batch, loss, units, windows=windows, forward_windows=forward_windows)
         finally:
             undo()
     costs = CostModel.from_graph(graph, stored_compact=stored)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     costs.backward_windows = windows or []
+    costs.forward_windows = forward_windows or []
     return costs, chosen, graph
 
 
