@@ -344,15 +344,13 @@ class CostModel:
         tensor not yet unpacked for the last time is still packed, and one past that is gone (in the plain step
         too). The node is the one each window records; a node that unpacks only tensors kept exact (a split
         backward's grad-input node, its weight) holds no copy: its grad-weight node has let go of the input's.
-        Windows without nodes (older traces) take the node of the tensor's :meth:`unpack_groups` group.
         Without windows (a trace extrapolated from smaller batches) each group in forward order is taken to run
         at the segment's peak, the backward running them in reverse: never more gain than there is."""
         index = {s.key: j for j, s in enumerate(self.saved)}
-        group_of = {j: tuple(g) for groups in self.unpack_groups().values() for g in groups for j in g}
         out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
         by_seg: dict[int, list[tuple[str, int, int]]] = {}
-        for seg, key, peak, *node in self.backward_windows:
-            by_seg.setdefault(seg, []).append((key, peak, node[0] if node else -1))
+        for seg, key, peak, node in self.backward_windows:
+            by_seg.setdefault(seg, []).append((key, peak, node))
         for k, groups in self.unpack_groups().items():
             mine = {j for g in groups for j in g}
             walk = by_seg.get(k)
@@ -371,11 +369,9 @@ class CostModel:
                     unpacks.setdefault(node, set()).add(j)
             current: tuple[int, ...] = ()
             running = []
-            for (key, peak, node), j in zip(walk, own):
-                if node >= 0:
+            for _, peak, node in walk:
+                if node >= 0:  # else a segment's first stretch, before any unpacking
                     current = tuple(sorted(unpacks.get(node, ())))
-                elif j is not None and j in mine:
-                    current = group_of[j]
                 running.append((top - peak, current))
             last = {j: i for i, (_, cur) in enumerate(running) for j in cur}
             best: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
