@@ -314,9 +314,8 @@ class _Shortcuts(nn.Module):
 
 @pytest.mark.parametrize("level", ["L0", "L1.2"])
 def test_each_point_of_a_unit_is_predicted_as_its_forms_and_packing_run(level: str) -> None:
-    """Where each block's forward peaks and its backward starts and peaks, predicted as measured (never below it;
-    above it by at most the dequantization scratch the model sets aside, 2.25 MiB), with every compact form on,
-    exact (``L0``) or lossy:
+    """Where each block's forward peaks and its backward starts and peaks, predicted as measured within 0.25 MiB,
+    with every compact form on, exact (``L0``) or lossy:
     - the compact ReLU saves a mask, not the block's output, which the next block's backward then frees: 4 MiB off
       where this block's backward starts, which the held-after-forward saving cannot see (ResNet-50's levels were
       predicted a block output high at every such point);
@@ -326,7 +325,9 @@ def test_each_point_of_a_unit_is_predicted_as_its_forms_and_packing_run(level: s
     - in its own forward, a block's tensors packed by the peak count packed where the model's code has let go of
       them (ResNet-50's BatchNorm normalised inputs, made only to be saved: its blocks' forwards were predicted
       4-23 MiB high), else whole beside their packed forms, with the quantization scratch of the one being packed
-      (here 0.5-1 MiB low without them)."""
+      (here 0.5-1 MiB low without them);
+    - a dequantization's scratch counts only beyond what the backward's work after the unpacking allocates (set
+      aside whole, it put every backward point 2.25 MiB high, here as on ResNet-50, ViT and GAT)."""
     from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
@@ -342,9 +343,8 @@ def test_each_point_of_a_unit_is_predicted_as_its_forms_and_packing_run(level: s
     else:
         costs = next(iter(handle.planning.values())).costs
     assert all(u.compact for u in plan.units)
-    scratch = max((costs.scratch(s, plan.bits[s.key])[1] for s in costs.saved if s.key in plan.bits), default=0)
     errors = [(v - got) / 2**20 for p, v, got in plan_points(model, plan, costs, batch) if 1 <= p.seg <= 3]
-    assert len(errors) == 9 and all(-0.125 < e < scratch / 2**20 + 0.25 for e in errors), (errors, scratch)
+    assert len(errors) == 9 and all(-0.125 < e < 0.25 for e in errors), errors
 
 
 def test_compact_forms_run_as_stored_only_in_units_storing_tensors_lossily() -> None:

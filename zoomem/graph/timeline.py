@@ -53,12 +53,13 @@ ForwardWindow = tuple[int, str, int]
 """(segment, key, peak bytes above the step's start) of one stretch of a forward: from saving the tensor ``key``
 to saving the next one (or the segment's end); a segment's first stretch has key ``""``."""
 
-BackwardWindow = tuple[int, str, int, int]
-"""(segment, key, peak bytes above the step's start, node) of one stretch of a backward: from autograd unpacking
-the saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it, ``"<region>#<k>"``)
-to its unpacking the next one; the first stretch of a segment has key ``""``. ``node`` numbers the autograd node
-that unpacked it (in the order backward runs them; -1 for a first stretch): the tensors one node unpacks come
-back together, and a split backward's second node unpacks only its weight."""
+BackwardWindow = tuple[int, str, int, int, int]
+"""(segment, key, peak bytes above the step's start, node, rise) of one stretch of a backward: from autograd
+unpacking the saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it,
+``"<region>#<k>"``) to its unpacking the next one; the first stretch of a segment has key ``""``. ``node`` numbers
+the autograd node that unpacked it (in the order backward runs them; -1 for a first stretch): the tensors one node
+unpacks come back together, and a split backward's second node unpacks only its weight. ``rise``: its peak above
+its start, what the backward's work after the unpacking adds (a dequantization's scratch beyond it is extra)."""
 
 
 def measure_timeline(
@@ -182,7 +183,7 @@ def _measure(
     for (seg, phase, t, closes, key, node), stat in zip(marks, report.phases.values()):
         peak = stat.peak_bytes - base
         if windows is not None and phase == "backward":
-            windows.append((seg, key, peak, node))
+            windows.append((seg, key, peak, node, stat.peak_bytes - prev_end))
         if forward_windows is not None and phase == "forward":
             forward_windows.append((seg, key, peak))
         if current is None:

@@ -101,12 +101,14 @@ class CostModel:
     saved: list[SavedInfo] = field(default_factory=list)
     """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
     saved_seg: list[int] = field(default_factory=list)
-    backward_windows: list[tuple[int, str, int, int]] = field(default_factory=list)
+    backward_windows: list[tuple[int, str, int, int, int]] = field(default_factory=list)
     """The backward of the step as lossy plans run it (compact forms on), cut at every saved tensor unpacked:
-    (segment, key, peak bytes, node), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
-    own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
+    (segment, key, peak bytes, node, rise), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
+    own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = field(
+        default_factory=dict)
     """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
-    backward peak there, indices into ``saved`` still packed, indices unpacked by the node running)."""
+    backward peak there, indices into ``saved`` still packed, indices unpacked by the node running, those whose
+    dequantization opens the stretch, what the stretch's work rises after it)."""
     forward_windows: list[tuple[int, str, int]] = field(default_factory=list)
     """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes), in
     order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
@@ -338,48 +340,52 @@ class CostModel:
             out.setdefault(k, []).append(members)
         return out
 
-    def _own_windows(self, aliases: dict[str, str]) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    def _own_windows(self, aliases: dict[str, str]
+                     ) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]]:
         """:attr:`own_windows` from :attr:`backward_windows`: walking a segment's backward, the node running holds
         dequantized copies of the lossy-eligible tensors it unpacks (a duplicate's unpacking is its base's), a
         tensor not yet unpacked for the last time is still packed, and one past that is gone (in the plain step
         too). The node is the one each window records; a node that unpacks only tensors kept exact (a split
         backward's grad-input node, its weight) holds no copy: its grad-weight node has let go of the input's.
-        Without windows (a trace extrapolated from smaller batches) each group in forward order is taken to run
-        at the segment's peak, the backward running them in reverse: never more gain than there is."""
+        A stretch opened by dequantizing a tensor holds its scratch only beyond what the stretch's own work rises
+        after it. Without windows (a trace extrapolated from smaller batches) each group in forward order is taken
+        to run at the segment's peak, the backward running them in reverse, each dequantization's scratch on top:
+        never more gain than there is."""
         index = {s.key: j for j, s in enumerate(self.saved)}
-        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
-        by_seg: dict[int, list[tuple[str, int, int]]] = {}
-        for seg, key, peak, node in self.backward_windows:
-            by_seg.setdefault(seg, []).append((key, peak, node))
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = {}
+        by_seg: dict[int, list[tuple[str, int, int, int]]] = {}
+        for seg, key, peak, node, rise in self.backward_windows:
+            by_seg.setdefault(seg, []).append((key, peak, node, rise))
         for k, groups in self.unpack_groups().items():
             mine = {j for g in groups for j in g}
             walk = by_seg.get(k)
             if not walk:  # groups in forward order (the order the forward packed them), run in about the reverse
-                states, before = [(0, (), ())], []
+                states, before = [(0, (), (), (), 0)], []
                 for g in sorted(groups, key=min):
-                    states.append((0, tuple(before), tuple(g)))
+                    states.append((0, tuple(before), tuple(g), tuple(g), 0))
                     before += g
                 out[k] = states
                 continue
-            top = max(peak for _, peak, _ in walk)
-            own = [index.get(aliases.get(key, key)) for key, _, _ in walk]
+            top = max(peak for _, peak, _, _ in walk)
+            own = [index.get(aliases.get(key, key)) for key, _, _, _ in walk]
+            own = [j if j is not None and j in mine else None for j in own]
             unpacks: dict[int, set[int]] = {}  # node -> the segment's eligible tensors it unpacks
-            for (_, _, node), j in zip(walk, own):
-                if node >= 0 and j is not None and j in mine:
+            for (_, _, node, _), j in zip(walk, own):
+                if node >= 0 and j is not None:
                     unpacks.setdefault(node, set()).add(j)
             current: tuple[int, ...] = ()
             running = []
-            for _, peak, node in walk:
+            for (_, peak, node, rise), j in zip(walk, own):
                 if node >= 0:  # else a segment's first stretch, before any unpacking
                     current = tuple(sorted(unpacks.get(node, ())))
-                running.append((top - peak, current))
-            last = {j: i for i, (_, cur) in enumerate(running) for j in cur}
-            best: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-            for i, (deficit, cur) in enumerate(running):
+                running.append((top - peak, current, () if j is None else (j,), rise))
+            last = {j: i for i, (_, cur, _, _) in enumerate(running) for j in cur}
+            best: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int], int] = {}
+            for i, (deficit, cur, opened, rise) in enumerate(running):
                 pending = tuple(sorted(j for j in mine if j not in cur and last.get(j, -1) > i))
-                state = (pending, cur)
+                state = (pending, cur, opened, rise if opened else 0)
                 best[state] = min(best.get(state, deficit), deficit)
-            out[k] = [(d, pending, cur) for (pending, cur), d in best.items()]
+            out[k] = [(d, *state) for state, d in best.items()]
         return out
 
     def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]]:
@@ -420,7 +426,8 @@ class CostModel:
         of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the
         tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
         node running (a backward node unpacks all it saved at once: attention's q, k, v and softmax); the tensors
-        of the nodes run before are gone in the plain step too. The largest dequantization scratch comes on top.
+        of the nodes run before are gone in the plain step too; the stretch a dequantization opens holds its scratch
+        beyond the work after it.
         (Crediting every tensor of the segment there, as before, predicted BERT's attention backward 145 MiB low:
         by then the feed-forward tensors are gone in both.)"""
         out = np.zeros(len(self.points))
@@ -443,12 +450,11 @@ class CostModel:
             least = min(d + sum(gain(j) for j in lossy(free)) - sum(packed(j) for j in lossy(held))
                         - sum(packing(j) for j in lossy([opened])) for d, free, held, opened in fstates)
             out += ((seg == k) & in_forward) * least
+        unpacking = lambda j, rise: max(0, self.scratch(self.saved[j], bits[self.saved[j].key])[1] - rise)  # noqa: E731
         for k, states in self.own_windows.items():
             least = min(d + sum(gain(j) for j in lossy(pending)) - sum(packed(j) for j in lossy(cur))
-                        for d, pending, cur in states)
-            scratch = max((self.scratch(self.saved[j], bits[self.saved[j].key])[1] for _, _, cur in states
-                           for j in lossy(cur)), default=0)
-            out += ((seg == k) & in_backward) * (least - scratch)
+                        - sum(unpacking(j, rise) for j in lossy(opened)) for d, pending, cur, opened, rise in states)
+            out += ((seg == k) & in_backward) * least
         return out
 
     def compress_time(self, bits: dict[str, int]) -> float:

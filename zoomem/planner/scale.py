@@ -93,10 +93,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     if small.outside_gain or large.outside_gain:
         zeros = [0] * len(points)
         outside = [by(a, b) for a, b in zip(small.outside_gain or zeros, large.outside_gain or zeros)]
-    windows: list[tuple[int, str, int, int]] = []
+    windows: list[tuple[int, str, int, int, int]] = []
     if [(w[:2], w[3]) for w in small.backward_windows] == [(w[:2], w[3]) for w in large.backward_windows]:
-        windows = [(seg, key, by(a, b), node) for (seg, key, a, node), (_, _, b, _) in zip(small.backward_windows,
-                                                                                          large.backward_windows)]
+        windows = [(seg, key, by(a, b), node, by(ra, rb)) for (seg, key, a, node, ra), (_, _, b, _, rb)
+                   in zip(small.backward_windows, large.backward_windows)]
     forward_windows: list[tuple[int, str, int]] = []
     if [w[:2] for w in small.forward_windows] == [w[:2] for w in large.forward_windows]:
         forward_windows = [(seg, key, by(a, b)) for (seg, key, a), (_, _, b) in zip(small.forward_windows,

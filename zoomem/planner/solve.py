@@ -250,19 +250,22 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     alive = dict(zip((s.key for s in model.saved), model.saved_alive))
     # during segment k's backward its own tensors gain the least over the stretches of it (CostModel.
     # compress_gain_rows): own[k] <= (below the peak there) + (gains of those still packed) - (packed beside copies)
+    # - (the scratch of the dequantization opening the stretch, beyond the stretch's own rise)
     own: dict[int, pulp.LpVariable] = {}
     if q:
         def lossy(js):  # type: ignore[no-untyped-def]
             return [(model.saved[j], b) for j in js for b in compress.bits if (model.saved[j].key, b) in q]
 
         for k, states in model.own_windows.items():
-            if not any(lossy(pending) or lossy(cur) for _, pending, cur in states):
+            if not any(lossy(pending) or lossy(cur) for _, pending, cur, _, _ in states):
                 continue
             own[k] = pulp.LpVariable(f"own_{k}")
-            for d, pending, cur in states:
+            for d, pending, cur, opened, rise in states:
                 prob += own[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
                                                             for s, b in lossy(pending))
                                               - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(cur))
+                                              - pulp.lpSum(max(0, model.scratch(s, b)[1] - rise) * q[s.key, b]
+                                                           for s, b in lossy(opened))
                                               ) * _PER_MIB
     # during segment k's forward its own tensors gain the least over its stretches (CostModel.compress_gain_rows):
     # fwd[k] <= (below the peak there) + (gains of those packed and free) - (packed beside the whole) - (scratch)
@@ -279,15 +282,6 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                                               - pulp.lpSum(model.scratch(s, b)[0] * q[s.key, b]
                                                            for s, b in lossy([opened] if opened >= 0 else []))
                                               ) * _PER_MIB
-    # dequantizing holds scratch beside the copy: the largest in a segment's backward (CostModel.compress_gain_rows)
-    unpacking: dict[int, pulp.LpVariable] = {}
-    for (key, b), v in q.items():
-        s, k = by_key[key]
-        nbytes = model.scratch(s, b)[1]
-        if nbytes:
-            if k not in unpacking:
-                unpacking[k] = pulp.LpVariable(f"ds_{k}", 0)
-            prob += unpacking[k] * _PER_MIB >= nbytes * _PER_MIB * v
     # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
     # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)
     chain_of = {model.storages[j].sid: seg for seg, j in model.chain.items() if seg in drop}
@@ -345,8 +339,6 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= own[p.seg]
         if p.phase == "forward" and p.seg in fwd:
             expr -= fwd[p.seg]
-        if p.phase == "backward" and p.seg in unpacking:
-            expr += unpacking[p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     time_cost = pulp.lpSum(
