@@ -112,10 +112,11 @@ class CostModel:
     forward_windows: list[tuple[int, str, int]] = field(default_factory=list)
     """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes), in
     order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
-    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = field(default_factory=dict)
+    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = field(
+        default_factory=dict)
     """Per segment, its forward's stretches as its own lossy-eligible tensors stand there: (bytes below the
     segment's forward peak, indices into ``saved`` packed and free by then, those packed but still held by the
-    model's code, the one whose packing opens the stretch or -1)."""
+    model's code, the one whose packing opens the stretch if any)."""
     saved_alive: list[int] = field(default_factory=list)
     """Per saved tensor, the last segment whose forward holds it whole whatever its form: its own, a later unit's
     that takes it as input, the next one's when it is its unit's output (the caller holds that), or the last one
@@ -388,7 +389,7 @@ class CostModel:
             out[k] = [(d, *state) for state, d in best.items()]
         return out
 
-    def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]]:
+    def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
         """:attr:`own_forward` from :attr:`forward_windows` and each tensor's :attr:`SavedInfo.dead_at`: a tensor
         is packed from the stretch its saving opens, and free from the one its ``dead_at`` save opens."""
         by_seg: dict[int, list[tuple[str, int]]] = {}
@@ -397,7 +398,7 @@ class CostModel:
         mine: dict[int, list[int]] = {}
         for j, k in enumerate(self.saved_seg):
             mine.setdefault(k, []).append(j)
-        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = {}
         for k, walk in by_seg.items():
             if k not in mine:
                 continue
@@ -409,7 +410,7 @@ class CostModel:
                 packed = [j for j in mine[k] if opens.get(self.saved[j].key, never) <= i]
                 free = tuple(j for j in packed if opens.get(self.saved[j].dead_at or "", never) <= i)
                 held = tuple(j for j in packed if j not in free)
-                opened = next((j for j in packed if self.saved[j].key == key), -1)
+                opened = tuple(j for j in packed if self.saved[j].key == key)
                 states.append((top - peak, free, held, opened))
             out[k] = states
         return out
@@ -444,11 +445,11 @@ class CostModel:
                 out += credited * (s.nbytes - s.packed_nbytes(b))
         gain = lambda j: self.saved[j].nbytes - self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
         packed = lambda j: self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
-        lossy = lambda js: [j for j in js if j >= 0 and bits.get(self.saved[j].key)]  # noqa: E731
+        lossy = lambda js: [j for j in js if bits.get(self.saved[j].key)]  # noqa: E731
         packing = lambda j: self.scratch(self.saved[j], bits[self.saved[j].key])[0]  # noqa: E731
         for k, fstates in self.own_forward.items():
             least = min(d + sum(gain(j) for j in lossy(free)) - sum(packed(j) for j in lossy(held))
-                        - sum(packing(j) for j in lossy([opened])) for d, free, held, opened in fstates)
+                        - sum(packing(j) for j in lossy(opened)) for d, free, held, opened in fstates)
             out += ((seg == k) & in_forward) * least
         unpacking = lambda j, rise: max(0, self.scratch(self.saved[j], bits[self.saved[j].key])[1] - rise)  # noqa: E731
         for k, states in self.own_windows.items():

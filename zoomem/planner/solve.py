@@ -272,7 +272,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     fwd: dict[int, pulp.LpVariable] = {}
     if q:
         for k, fstates in model.own_forward.items():
-            if not any(lossy(free) or lossy(held) or opened >= 0 and lossy([opened]) for _, free, held, opened in fstates):
+            if not any(lossy(free) or lossy(held) or lossy(opened) for _, free, held, opened in fstates):
                 continue
             fwd[k] = pulp.LpVariable(f"fwd_{k}")
             for d, free, held, opened in fstates:
@@ -280,7 +280,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                                                             for s, b in lossy(free))
                                               - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(held))
                                               - pulp.lpSum(model.scratch(s, b)[0] * q[s.key, b]
-                                                           for s, b in lossy([opened] if opened >= 0 else []))
+                                                           for s, b in lossy(opened))
                                               ) * _PER_MIB
     # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
     # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)

@@ -211,10 +211,7 @@ def liveness(model: nn.Module, batch: Batch, units: list[Unit]
         k = counts[region[0]] = counts.get(region[0], -1) + 1
         key = f"{region[0]}#{k}"
         look(key)
-        try:
-            saved[key] = weakref.ref(_anchor(t))
-        except TypeError:  # not weak-referenceable: counted held
-            pass
+        saved[key] = weakref.ref(_anchor(t))
 
     def unpack(packed: None) -> torch.Tensor:
         raise RuntimeError("zoomem: the forward that finds tensors held by the model's code saved nothing")
