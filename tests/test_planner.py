@@ -93,6 +93,26 @@ def test_plan_reports_its_solver_status_and_bound(bert_costs: CostModel) -> None
     assert plan.predicted_peak_bytes <= int(baseline * 0.8)
 
 
+def test_time_limit_bounds_the_whole_plan(bert_costs: CostModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_limit`` covers the warm start, the program and its LP bound together, not each solver call: past
+    it, the program still gets its ``MIN_SOLVER_S`` and the bound is skipped rather than solved in a time of its own
+    (a BERT-large plan took 11.5 s under a 10 s limit)."""
+    from zoomem.planner import solve
+
+    baseline = bert_costs.peak({u: Decision.KEEP for u in bert_costs.units})
+    limits: list[float] = []
+    real = solve._solver
+    monkeypatch.setattr(solve, "_solver", lambda t, *a, **k: (limits.append(t), real(t, *a, **k))[1])
+    plan = make_plan(bert_costs, int(baseline * 0.8), time_limit=1e-6)
+    assert limits == [solve.MIN_SOLVER_S]  # the program alone: no time was left for the bound
+    assert plan.lp_bound is None and plan.status == "optimal"
+    assert plan.predicted_peak_bytes <= int(baseline * 0.8)
+    limits.clear()
+    plan = make_plan(bert_costs, int(baseline * 0.8), time_limit=30.0)
+    assert len(limits) == 2 and limits[0] <= 30.0 and limits[1] <= limits[0]  # the bound gets what the program left
+    assert plan.lp_bound is not None and plan.solve_s <= 30.0
+
+
 def test_minimum_budget_error_names_a_budget_that_works(bert_costs: CostModel) -> None:
     with pytest.raises(zoomem.InfeasibleBudgetError) as err:
         make_plan(bert_costs, 1)

@@ -378,26 +378,41 @@ def min_feasible_budget(model: CostModel, time_limit: float = 10.0,
     return model.peak(*choice), choice
 
 
+MIN_SOLVER_S = 1.0
+"""The least time the budget-constrained program is given, however much of the plan's time limit tracing the
+warm start and building the program took: enough for the solver to return the warm start or better."""
+
+
 def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0,  # type: ignore[type-arg]
-                   compress: CompressOptions | None = None) -> tuple[Choice | None, dict]:
+                   compress: CompressOptions | None = None, deadline: float | None = None) -> tuple[Choice | None, dict]:
+    """The program under ``budget``, solved by ``deadline`` (``time.perf_counter()`` seconds; default: ``time_limit``
+    from now), then relaxed in place for its LP bound in the time left."""
     import pulp
 
     if budget is None:
         return _decisions_none(model, None), {"solver": "", "status": "no budget"}
+    if deadline is None:
+        deadline = time.perf_counter() + time_limit
     warm = _decisions_greedy(model, budget) if compress is None else None
-    name, solver = _solver(time_limit, gap=MIP_GAP)
     prob, xq = _build(model, budget, warm=warm, compress=compress)
+    name, solver = _solver(max(MIN_SOLVER_S, deadline - time.perf_counter()), gap=MIP_GAP)
     solve(prob, solver)
     status = pulp.LpStatus[prob.status]
-    relaxed, _ = _build(model, budget, relax=True, compress=compress)
-    solve(relaxed, _solver(time_limit)[1])
-    bound = pulp.value(relaxed.objective) if pulp.LpStatus[relaxed.status] == "Optimal" else None
-    if status != "Optimal":
-        return None, {"solver": name, "status": status, "lp_bound": bound}
     # PuLP reports a run stopped by the time limit with an incumbent as "Optimal"; its solution status tells
     proven = prob.sol_status == pulp.constants.LpSolutionOptimal
-    return _decode(model, xq), {"solver": name, "status": "optimal" if proven else "feasible (time limit)",
-                                "lp_bound": float(bound) if bound is not None else None}
+    choice = _decode(model, xq) if status == "Optimal" else None
+    # the LP bound from the same program with its 0-1 variables relaxed (an LP: fast; building it again was not)
+    for v in prob.variables():
+        v.cat = pulp.LpContinuous
+    left = deadline - time.perf_counter()
+    bound = None
+    if left > 0:
+        solve(prob, _solver(left)[1])
+        bound = pulp.value(prob.objective) if pulp.LpStatus[prob.status] == "Optimal" else None
+    if choice is None:
+        return None, {"solver": name, "status": status, "lp_bound": bound}
+    return choice, {"solver": name, "status": "optimal" if proven else "feasible (time limit)",
+                    "lp_bound": float(bound) if bound is not None else None}
 
 
 STRATEGIES: dict[str, Callable[[CostModel, int | None], Choice]] = {
@@ -422,7 +437,10 @@ def make_plan(
     ``compress`` (ILP only) lets the program store saved tensors lossily (:meth:`CostModel.attach_saved`).
 
     The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
-    error reports.
+    error reports. ``time_limit`` bounds the whole plan (the greedy warm start, building the program, solving it,
+    its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
+    bound is skipped (``None``) when nothing is left. Naming the smallest feasible budget after a failure takes
+    up to ``time_limit`` more.
 
     Raises:
         InfeasibleBudgetError: no plan of this strategy fits; the message names the smallest budget that has one.
@@ -440,7 +458,7 @@ def make_plan(
     if compress is not None and strategy != "ilp":
         raise ValueError(f"Compression under a budget is planned by the ILP; strategy {strategy!r} cannot plan it.")
     if strategy == "ilp":
-        choice, info = _decisions_ilp(model, target, time_limit, compress)
+        choice, info = _decisions_ilp(model, target, time_limit, compress, deadline=t0 + time_limit)
     else:
         choice = STRATEGIES[strategy](model, target)
     solve_s = time.perf_counter() - t0

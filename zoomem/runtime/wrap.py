@@ -731,7 +731,8 @@ def plan(
         strategy: ``ilp`` (default), or a baseline: ``none``, ``all``, ``sqrt``, ``greedy``.
         optimizer: its state (or Adam's 2x parameters before its first step) counts in the budget.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
-        time_limit: seconds for the solver.
+        time_limit: seconds for solving a plan (warm start, program and LP bound together; the program gets
+            at least 1 s). Tracing the step is not counted.
         compress: ``"auto"`` (or :class:`CompressOptions`): with a budget, let the ILP also store saved tensors
             in 8/4/2/1 bits, chosen with recomputation by their measured effect on the gradient.
         level: a GACT-style level instead of a budget: ``L0``, ``L1`` (4 bits), ``L1.1`` (8), ``L1.2`` (2),
@@ -788,7 +789,8 @@ def wrap(
         adapter: the zoo adapter (or its name) instead of the matching one.
         optimizer: counts its state in the budget.
         loss_fn: ``(output, batch) -> scalar`` used when tracing; by default the adapter's planning loss.
-        time_limit: seconds for the solver.
+        time_limit: seconds for solving a plan (warm start, program and LP bound together; the program gets
+            at least 1 s). Tracing the step is not counted.
         batch: plan now on this example batch instead of lazily on the first training forward.
         compress: ``"auto"`` (or :class:`CompressOptions`): with a budget, the ILP also stores saved tensors in
             8/4/2/1 bits (unbiased stochastic rounding), picked jointly with recomputation by their measured
