@@ -327,7 +327,10 @@ def test_each_point_of_a_unit_is_predicted_as_its_forms_and_packing_run(level: s
       4-23 MiB high), else whole beside their packed forms, with the quantization scratch of the one being packed
       (here 0.5-1 MiB low without them);
     - a dequantization's scratch counts only beyond what the backward's work after the unpacking allocates (set
-      aside whole, it put every backward point 2.25 MiB high, here as on ResNet-50, ViT and GAT)."""
+      aside whole, it put every backward point 2.25 MiB high, here as on ResNet-50, ViT and GAT);
+    - the head's forward starts as the last block returns, while the loop still holds that block's input: packed,
+      it is whole there (credited as free, the head's forward was 0.94 MiB low here, ResNet-50's 4.4 MiB with the
+      stage input ``x = self.layer4(x)`` holds)."""
     from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
@@ -343,8 +346,9 @@ def test_each_point_of_a_unit_is_predicted_as_its_forms_and_packing_run(level: s
     else:
         costs = next(iter(handle.planning.values())).costs
     assert all(u.compact for u in plan.units)
-    errors = [(v - got) / 2**20 for p, v, got in plan_points(model, plan, costs, batch) if 1 <= p.seg <= 3]
-    assert len(errors) == 9 and all(-0.125 < e < 0.25 for e in errors), errors
+    errors = [(v - got) / 2**20 for p, v, got in plan_points(model, plan, costs, batch)
+              if 1 <= p.seg <= 3 or (p.seg == 4 and p.phase == "forward")]
+    assert len(errors) == 10 and all(-0.125 < e < 0.25 for e in errors), errors
 
 
 def test_compact_forms_run_as_stored_only_in_units_storing_tensors_lossily() -> None:

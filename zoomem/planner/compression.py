@@ -46,6 +46,9 @@ class SavedInfo:
     """The last region (a unit, ``"<after:unit>"``) of the forward during which the model's own code still holds
     this tensor's memory (HF's ``BertModel.forward`` keeps the embedding output in a local until it returns): until
     then packing it frees nothing. The probe finds it (:func:`zoomem.runtime.probe.held_by_caller`)."""
+    unit_input: bool = False
+    """Its memory is an input of the unit it is saved in (a block's input its first conv saves): the caller holds
+    it until that unit has returned, into the first stretch of the forward after it."""
     dead_at: str | None = None
     """The key of the first later save in its own region by which nothing but autograd holds this tensor's memory
     (a BatchNorm's normalised input, made only to be saved, by the next save): packed, it frees its bytes from
@@ -69,7 +72,7 @@ class SavedInfo:
         return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
                 "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output,
-                "held_through": self.held_through, "dead_at": self.dead_at}
+                "held_through": self.held_through, "unit_input": self.unit_input, "dead_at": self.dead_at}
 
 
 @dataclass(frozen=True)

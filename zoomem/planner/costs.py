@@ -112,11 +112,13 @@ class CostModel:
     forward_windows: list[tuple[int, str, int]] = field(default_factory=list)
     """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes), in
     order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
-    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = field(
-        default_factory=dict)
+    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = (
+        field(default_factory=dict))
     """Per segment, its forward's stretches as its own lossy-eligible tensors stand there: (bytes below the
     segment's forward peak, indices into ``saved`` packed and free by then, those packed but still held by the
-    model's code, the one whose packing opens the stretch if any)."""
+    model's code, the one whose packing opens the stretch if any, earlier segments' tensors still whole there).
+    The last: the head's first stretch starts as the last unit returns, before its caller lets go of that unit's
+    input and the stage input it was called with (:meth:`_lingering`); packed, they are whole there still."""
     saved_alive: list[int] = field(default_factory=list)
     """Per saved tensor, the last segment whose forward holds it whole whatever its form: its own, a later unit's
     that takes it as input, the next one's when it is its unit's output (the caller holds that), or the last one
@@ -389,29 +391,43 @@ class CostModel:
             out[k] = [(d, *state) for state, d in best.items()]
         return out
 
-    def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
+    def _lingering(self) -> tuple[int, ...]:
+        """The lossy-eligible tensors (indices into ``saved``) the model's code still holds as the last unit returns:
+        that unit's input (saved in it, or the earlier unit's saved output it takes) and what is held through it
+        (the stage input of ``x = self.layer4(x)``, let go of when the call returns). The head's forward starts
+        there; each is credited from its segment on (:attr:`saved_alive` is the last unit's)."""
+        if not self.units:
+            return ()
+        n, last = len(self.units), self.units[-1]
+        return tuple(j for j, (s, k, alive) in enumerate(zip(self.saved, self.saved_seg, self.saved_alive))
+                     if alive == n and ((s.unit_input and k == n) or last in s.input_of or s.held_through == last))
+
+    def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                                   tuple[int, ...]]]]:
         """:attr:`own_forward` from :attr:`forward_windows` and each tensor's :attr:`SavedInfo.dead_at`: a tensor
-        is packed from the stretch its saving opens, and free from the one its ``dead_at`` save opens."""
+        is packed from the stretch its saving opens, and free from the one its ``dead_at`` save opens; the head's
+        first stretch holds :meth:`_lingering` whole."""
         by_seg: dict[int, list[tuple[str, int]]] = {}
         for seg, key, peak in self.forward_windows:
             by_seg.setdefault(seg, []).append((key, peak))
         mine: dict[int, list[int]] = {}
         for j, k in enumerate(self.saved_seg):
             mine.setdefault(k, []).append(j)
-        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = {}
+        head, lingering = len(self.units) + 1, self._lingering()
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = {}
         for k, walk in by_seg.items():
-            if k not in mine:
+            if k not in mine and not (k == head and lingering):
                 continue
             top = max(peak for _, peak in walk)
             opens = {key: i for i, (key, _) in enumerate(walk) if key}
             never = len(walk)
             states = []
             for i, (key, peak) in enumerate(walk):
-                packed = [j for j in mine[k] if opens.get(self.saved[j].key, never) <= i]
+                packed = [j for j in mine.get(k, ()) if opens.get(self.saved[j].key, never) <= i]
                 free = tuple(j for j in packed if opens.get(self.saved[j].dead_at or "", never) <= i)
                 held = tuple(j for j in packed if j not in free)
                 opened = tuple(j for j in packed if self.saved[j].key == key)
-                states.append((top - peak, free, held, opened))
+                states.append((top - peak, free, held, opened, lingering if k == head and i == 0 else ()))
             out[k] = states
         return out
 
@@ -422,8 +438,9 @@ class CostModel:
         during the later forwards that hold it whole anyway (:attr:`saved_alive`) it counts whole. During k's own
         forward the gain is the least over its stretches (:attr:`own_forward`) of what the stretch lies below the
         peak plus the tensors packed and free by then, less the packed forms of those the model's code still holds
-        and the quantization scratch of the one being packed (without stretches, a trace extrapolated from smaller
-        batches: none, and everything whole). During k's own backward the gain is the least over the stretches
+        and the quantization scratch of the one being packed, and less the gains of earlier tensors the model's code
+        still holds there (the head's first stretch: :meth:`_lingering`) (without stretches, a trace extrapolated
+        from smaller batches: none, and everything whole). During k's own backward the gain is the least over the stretches
         of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the
         tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
         node running (a backward node unpacks all it saved at once: attention's q, k, v and softmax); the tensors
@@ -449,7 +466,8 @@ class CostModel:
         packing = lambda j: self.scratch(self.saved[j], bits[self.saved[j].key])[0]  # noqa: E731
         for k, fstates in self.own_forward.items():
             least = min(d + sum(gain(j) for j in lossy(free)) - sum(packed(j) for j in lossy(held))
-                        - sum(packing(j) for j in lossy(opened)) for d, free, held, opened in fstates)
+                        - sum(packing(j) for j in lossy(opened)) - sum(gain(j) for j in lossy(whole))
+                        for d, free, held, opened, whole in fstates)
             out += ((seg == k) & in_forward) * least
         unpacking = lambda j, rise: max(0, self.scratch(self.saved[j], bits[self.saved[j].key])[1] - rise)  # noqa: E731
         for k, states in self.own_windows.items():

@@ -269,18 +269,22 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                                               ) * _PER_MIB
     # during segment k's forward its own tensors gain the least over its stretches (CostModel.compress_gain_rows):
     # fwd[k] <= (below the peak there) + (gains of those packed and free) - (packed beside the whole) - (scratch)
+    # - (gains of earlier tensors still whole there)
     fwd: dict[int, pulp.LpVariable] = {}
     if q:
         for k, fstates in model.own_forward.items():
-            if not any(lossy(free) or lossy(held) or lossy(opened) for _, free, held, opened in fstates):
+            if not any(lossy(free) or lossy(held) or lossy(opened) or lossy(whole)
+                       for _, free, held, opened, whole in fstates):
                 continue
             fwd[k] = pulp.LpVariable(f"fwd_{k}")
-            for d, free, held, opened in fstates:
+            for d, free, held, opened, whole in fstates:
                 prob += fwd[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
                                                             for s, b in lossy(free))
                                               - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(held))
                                               - pulp.lpSum(model.scratch(s, b)[0] * q[s.key, b]
                                                            for s, b in lossy(opened))
+                                              - pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
+                                                           for s, b in lossy(whole))
                                               ) * _PER_MIB
     # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
     # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)

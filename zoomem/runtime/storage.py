@@ -142,6 +142,7 @@ class SavedTensorStore:
     :attr:`SavedInfo.held_through`."""
     _input_ptrs: dict[int, list[str]] = field(default_factory=dict)
     _held_ptrs: dict[int, str] = field(default_factory=dict)
+    _unit_args: frozenset[int] = frozenset()
     _leaves: frozenset[int] | None = None
     _lossy_regions: frozenset[str] = frozenset()
 
@@ -150,6 +151,7 @@ class SavedTensorStore:
     def unit(self, name: str, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Iterator[None]:
         """Mark the forward of unit ``name``: tensors saved inside belong to its region."""
         if self.record:  # saved tensors sharing storage with a unit's input: a checkpoint of it would hold them
+            self._unit_args = frozenset(_ptr(t) for t in _tensors(args, kwargs or {}))
             for index, t in enumerate(_tensors(args, kwargs or {})):
                 ptr, until = _ptr(t), self.held.get((name, index))
                 if until is not None:  # the tensors saved in it so far, and (in _pack) those saved later
@@ -177,7 +179,7 @@ class SavedTensorStore:
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._held_ptrs = "<stem>", {}, {}, {}, {}
         self._lossy_regions = frozenset(map(region_of, self.bits))
-        self._bases, self._loose = {}, {}
+        self._bases, self._loose, self._unit_args = {}, {}, frozenset()
         self._leaves = None if model is None else frozenset(
             _ptr(t) for t in (*model.parameters(), *model.buffers(), *_tensors(args, kwargs or {})))
         try:
@@ -235,7 +237,8 @@ class SavedTensorStore:
                 packed = _Packed(None, q, packed.device)
         if self.record:
             self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, tensor_nbytes(t), reason,
-                                        held_through=self._held_ptrs.get(_ptr(t)))
+                                        held_through=self._held_ptrs.get(_ptr(t)),
+                                        unit_input=not region.startswith("<") and _ptr(t) in self._unit_args)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
