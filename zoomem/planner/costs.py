@@ -421,14 +421,15 @@ class CostModel:
             top = max(peak for _, peak in walk)
             opens = {key: i for i, (key, _) in enumerate(walk) if key}
             never = len(walk)
-            states = []
+            states: dict[tuple[tuple[int, ...], ...], int] = {}  # a state's least deficit: one constraint each
             for i, (key, peak) in enumerate(walk):
                 packed = [j for j in mine.get(k, ()) if opens.get(self.saved[j].key, never) <= i]
                 free = tuple(j for j in packed if opens.get(self.saved[j].dead_at or "", never) <= i)
                 held = tuple(j for j in packed if j not in free)
                 opened = tuple(j for j in packed if self.saved[j].key == key)
-                states.append((top - peak, free, held, opened, lingering if k == head and i == 0 else ()))
-            out[k] = states
+                state = (free, held, opened, lingering if k == head and i == 0 else ())
+                states[state] = min(states.get(state, top - peak), top - peak)
+            out[k] = [(d, *state) for state, d in states.items()]
         return out
 
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
