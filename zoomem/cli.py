@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes with a unit ('6GiB', '512MiB'), a share of plain PyTorch's peak ('60%%' or 0.6), or bytes",
     )
     p.add_argument("--strategy", default="ilp", help="ilp (default), none, all, sqrt, greedy")
-    p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="seconds for solving the plan (warm start, program and bound together)")
+    p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0,
+                   help="seconds for solving the plan (warm start, program and bound together)")
     p.add_argument("--compress", choices=["auto"], default=None,
                    help="with --budget: also store saved tensors in 8/4/2/1 bits, chosen with recomputation")
     p.add_argument("--level", default=None,

@@ -1139,7 +1139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch._functorch.config.activation_memory_budget for `compile` (default: %(default)s)")
     p.add_argument("--compile-timeout", dest="compile_timeout", type=float, default=600.0,
                    help="give up on a torch.compile first step after this many seconds (default: %(default)s)")
-    p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="seconds for each zoomem plan (warm start, program and bound together)")
+    p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0,
+                   help="seconds for each zoomem plan (warm start, program and bound together)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
                    help="run each probe in a forked child process on CPU with one torch thread (--threads 1), so "
                    "that what a probe leaks dies with it; only in a fresh process (default: %(default)s)")

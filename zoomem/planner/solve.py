@@ -388,7 +388,8 @@ warm start and building the program took: enough for the solver to return the wa
 
 
 def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0,  # type: ignore[type-arg]
-                   compress: CompressOptions | None = None, deadline: float | None = None) -> tuple[Choice | None, dict]:
+                   compress: CompressOptions | None = None,
+                   deadline: float | None = None) -> tuple[Choice | None, dict]:
     """The program under ``budget``, solved by ``deadline`` (``time.perf_counter()`` seconds; default: ``time_limit``
     from now), then relaxed in place for its LP bound in the time left."""
     import pulp
