@@ -432,6 +432,42 @@ class CostModel:
             out[k] = [(d, *state) for state, d in states.items()]
         return out
 
+    def stretches(self) -> dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]]:
+        """The stretches of each unit's own forward (:attr:`own_forward`) and backward (:attr:`own_windows`) as
+        linear terms in the bits: (``"forward"`` or ``"backward"``, segment) -> [(bytes below that phase's peak,
+        [(index into ``saved``, kind, rise)])], each term's bytes given by :meth:`term_bytes`. The bytes the
+        bits take off that phase are the least over its stretches: :meth:`compress_gain_rows` evaluates it, the
+        joint program bounds one variable by each stretch."""
+        out: dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]] = {}
+        for k, fstates in self.own_forward.items():
+            out["forward", k] = [(d, [*((j, "free", 0) for j in free), *((j, "beside", 0) for j in held),
+                                      *((j, "packing", 0) for j in opened), *((j, "whole", 0) for j in whole)])
+                                 for d, free, held, opened, whole in fstates]
+        for k, states in self.own_windows.items():
+            out["backward", k] = [(d, [*((j, "free", 0) for j in pending), *((j, "beside", 0) for j in cur),
+                                       *((j, "unpacking", rise) for j in opened)])
+                                  for d, pending, cur, opened, rise in states]
+        return out
+
+    def term_bytes(self, j: int, kind: str, bits: int, rise: int = 0) -> int:
+        """Bytes saved tensor ``j`` stored in ``bits`` takes off a stretch (:meth:`stretches`): ``free`` its
+        bytes less its packed form (packed, and nothing else holds it), ``beside`` minus its packed form (beside
+        the whole tensor the model's code or a dequantized copy holds), ``whole`` minus what packing would free
+        (credited from its segment on, but still whole there), ``packing`` minus its quantization scratch,
+        ``unpacking`` minus its dequantization scratch beyond the stretch's own ``rise``."""
+        s = self.saved[j]
+        if kind == "free":
+            return s.nbytes - s.packed_nbytes(bits)
+        if kind == "beside":
+            return -s.packed_nbytes(bits)
+        if kind == "whole":
+            return s.packed_nbytes(bits) - s.nbytes
+        if kind == "packing":
+            return -self.scratch(s, bits)[0]
+        if kind == "unpacking":
+            return -max(0, self.scratch(s, bits)[1] - rise)
+        raise ValueError(f"unknown stretch term {kind!r}")
+
     def compress_gain_rows(self, bits: dict[str, int]) -> np.ndarray:
         """Bytes a bit assignment takes off each memory point.
 
@@ -461,20 +497,12 @@ class CostModel:
             if b:
                 credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & at_start))
                 out += credited * (s.nbytes - s.packed_nbytes(b))
-        gain = lambda j: self.saved[j].nbytes - self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
-        packed = lambda j: self.saved[j].packed_nbytes(bits[self.saved[j].key])  # noqa: E731
-        lossy = lambda js: [j for j in js if bits.get(self.saved[j].key)]  # noqa: E731
-        packing = lambda j: self.scratch(self.saved[j], bits[self.saved[j].key])[0]  # noqa: E731
-        for k, fstates in self.own_forward.items():
-            least = min(d + sum(gain(j) for j in lossy(free)) - sum(packed(j) for j in lossy(held))
-                        - sum(packing(j) for j in lossy(opened)) - sum(gain(j) for j in lossy(whole))
-                        for d, free, held, opened, whole in fstates)
-            out += ((seg == k) & in_forward) * least
-        unpacking = lambda j, rise: max(0, self.scratch(self.saved[j], bits[self.saved[j].key])[1] - rise)  # noqa: E731
-        for k, states in self.own_windows.items():
-            least = min(d + sum(gain(j) for j in lossy(pending)) - sum(packed(j) for j in lossy(cur))
-                        - sum(unpacking(j, rise) for j in lossy(opened)) for d, pending, cur, opened, rise in states)
-            out += ((seg == k) & in_backward) * least
+        phase = {"forward": in_forward, "backward": in_backward}
+        for (name, k), stretches in self.stretches().items():
+            least = min(d + sum(self.term_bytes(j, kind, bits[self.saved[j].key], rise)
+                                for j, kind, rise in terms if bits.get(self.saved[j].key))
+                        for d, terms in stretches)
+            out += ((seg == k) & phase[name]) * least
         return out
 
     def compress_time(self, bits: dict[str, int]) -> float:

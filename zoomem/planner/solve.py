@@ -248,44 +248,20 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 prob += v <= pulp.lpSum(in_region.get(u, []))
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
     alive = dict(zip((s.key for s in model.saved), model.saved_alive))
-    # during segment k's backward its own tensors gain the least over the stretches of it (CostModel.
-    # compress_gain_rows): own[k] <= (below the peak there) + (gains of those still packed) - (packed beside copies)
-    # - (the scratch of the dequantization opening the stretch, beyond the stretch's own rise)
-    own: dict[int, pulp.LpVariable] = {}
+    # during a unit's own forward and backward its tensors take off the least over the stretches of that phase
+    # (CostModel.stretches): gain[phase, k] <= (below the phase's peak there) + (each term's bytes at its bits)
+    gain: dict[tuple[str, int], pulp.LpVariable] = {}
     if q:
-        def lossy(js):  # type: ignore[no-untyped-def]
-            return [(model.saved[j], b) for j in js for b in compress.bits if (model.saved[j].key, b) in q]
-
-        for k, states in model.own_windows.items():
-            if not any(lossy(pending) or lossy(cur) for _, pending, cur, _, _ in states):
+        for (phase, k), stretches in model.stretches().items():
+            terms = [[(j, kind, rise, b) for j, kind, rise in t for b in compress.bits
+                      if (model.saved[j].key, b) in q] for _, t in stretches]
+            if not any(terms):
                 continue
-            own[k] = pulp.LpVariable(f"own_{k}")
-            for d, pending, cur, opened, rise in states:
-                prob += own[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
-                                                            for s, b in lossy(pending))
-                                              - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(cur))
-                                              - pulp.lpSum(max(0, model.scratch(s, b)[1] - rise) * q[s.key, b]
-                                                           for s, b in lossy(opened))
-                                              ) * _PER_MIB
-    # during segment k's forward its own tensors gain the least over its stretches (CostModel.compress_gain_rows):
-    # fwd[k] <= (below the peak there) + (gains of those packed and free) - (packed beside the whole) - (scratch)
-    # - (gains of earlier tensors still whole there)
-    fwd: dict[int, pulp.LpVariable] = {}
-    if q:
-        for k, fstates in model.own_forward.items():
-            if not any(lossy(free) or lossy(held) or lossy(opened) or lossy(whole)
-                       for _, free, held, opened, whole in fstates):
-                continue
-            fwd[k] = pulp.LpVariable(f"fwd_{k}")
-            for d, free, held, opened, whole in fstates:
-                prob += fwd[k] * _PER_MIB <= (d + pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
-                                                            for s, b in lossy(free))
-                                              - pulp.lpSum(s.packed_nbytes(b) * q[s.key, b] for s, b in lossy(held))
-                                              - pulp.lpSum(model.scratch(s, b)[0] * q[s.key, b]
-                                                           for s, b in lossy(opened))
-                                              - pulp.lpSum((s.nbytes - s.packed_nbytes(b)) * q[s.key, b]
-                                                           for s, b in lossy(whole))
-                                              ) * _PER_MIB
+            gain[phase, k] = pulp.LpVariable(f"gain_{phase}_{k}")
+            for (d, _), ts in zip(stretches, terms):
+                prob += gain[phase, k] * _PER_MIB <= (d + pulp.lpSum(
+                    model.term_bytes(j, kind, b, rise) * q[model.saved[j].key, b] for j, kind, rise, b in ts)
+                ) * _PER_MIB
     # a dropped input is absent in forward; in backward it is back from the backward of its own unit on, while
     # every unit up to the one running drops its input too: z >= h - drop, z >= (sum of those drops) - (count - 1)
     chain_of = {model.storages[j].sid: seg for seg, j in model.chain.items() if seg in drop}
@@ -339,10 +315,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                      p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase == "recompute"))]
         if gains:
             expr -= pulp.lpSum(gains)
-        if p.phase == "backward" and p.seg in own:
-            expr -= own[p.seg]
-        if p.phase == "forward" and p.seg in fwd:
-            expr -= fwd[p.seg]
+        if (p.phase, p.seg) in gain:
+            expr -= gain[p.phase, p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     time_cost = pulp.lpSum(
