@@ -1324,14 +1324,14 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
 
     import zoomem
     from zoomem import zoo
+    from zoomem.cli import _overrides
     from zoomem.planner import parse_budget
 
     def say(msg: str) -> None:
         (bar.write if bar is not None else print)(f"{model_id}: {msg}", file=sys.stderr)
 
     spec = _spec_of(model_id, args.quick, COMPRESS_SIZES)
-    if args.batch:
-        spec = BenchSize(args.batch, dict(spec.sizes), dict(spec.overrides))
+    spec = BenchSize(args.batch or spec.batch_size, dict(spec.sizes), {**spec.overrides, **_overrides(args.set)})
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model, adapter = zoo.build(model_id, **spec.overrides)
@@ -2114,6 +2114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", metavar="ID", help=f"model ids (default: {' '.join(COMPRESS_SIZES)})")
     p.add_argument("--batch", type=int, default=0, metavar="N",
                    help="batch size for every model instead of its COMPRESS_SIZES one (default: those)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every model, over its COMPRESS_SIZES ones (e.g. --set n_layer=12: "
+                   "GPT-2 at its released depth)")
     p.add_argument("--levels", nargs="+", default=list(COMPRESS_LEVELS), choices=list(COMPRESS_LEVELS),
                    metavar="LEVEL", help="levels to measure (default: %(default)s)")
     p.add_argument("--fractions", nargs="+", type=float, metavar="F",
