@@ -479,6 +479,23 @@ def _spmm(reduce: str) -> tuple:
     return spmm, (lambda: (_distinct(n, 3),))
 
 
+def _csr_mm() -> tuple:
+    """GCN's product: a constant CSR matrix with real values (a normalised adjacency) times ``x``."""
+    from zoomem.ops.message_passing import _ConstCsrMm
+
+    n = 7
+    crow = torch.tensor([0, 2, 3, 3, 6, 7, 9, 10])
+    col = torch.tensor([1, 4, 0, 1, 2, 5, 3, 0, 6, 2])
+
+    def mm(x: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            adj = torch.sparse_csr_tensor(crow, col, torch.linspace(0.1, 1.0, 10, dtype=x.dtype), (n, n))
+        return _ConstCsrMm.apply(adj, x)
+
+    return mm, (lambda: (_distinct(n, 3),))
+
+
 # id -> (fn, inputs factory, gradcheck tolerances)
 DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
     "relu": (lambda x: Zf.relu(x), lambda: (_grid(3, 10),), {}),
@@ -520,6 +537,7 @@ DD_CASES: dict[str, tuple[Callable, Callable, dict]] = {
                                            b, 1, 1),
                        lambda: (_randn(3),), {}),
     **{f"spmm_{r}": (*_spmm(r), {}) for r in ("sum", "mean", "max", "min")},
+    "csr_mm": (*_csr_mm(), {}),
 }
 
 
@@ -573,7 +591,9 @@ def test_double_backward_reaches_saved_tensors(case: str) -> None:
     assert nodes
     for node in nodes:
         saved = node.saved_tensors
-        floating = [i for i, t in enumerate(saved) if t is not None and t.is_floating_point()]
+        # dense ones: a sparse saved tensor is a constant matrix (an adjacency), never a function of the inputs
+        floating = [i for i, t in enumerate(saved)
+                    if t is not None and t.is_floating_point() and t.layout == torch.strided]
         gen = torch.Generator().manual_seed(2)
         grads = [torch.randn(tuple(m.shape), generator=gen, dtype=torch.float64).requires_grad_(True)
                  for m in node._input_metadata]  # one per output of the Function
@@ -779,6 +799,7 @@ def test_timm_resnet18_gradients_match(everything: bool) -> None:
                                   "attention_recompute"}),
         ("hf/gpt2", {"attention_recompute", "pointwise_recompute", "cross_entropy_logits", "embedding_tied_grad"}),
         ("pyg/sage", {"message_passing_spmm"}),  # mean aggregation: aten's CPU SpMM-reduce kernel, routed
+        ("pyg/gcn", {"message_passing_spmm"}),  # a normalised adjacency: its product routed, saved compactly
     ],
 )
 def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[str]) -> None:
@@ -815,6 +836,56 @@ def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[
     (g_stock, h_stock), (g_ours, h_ours) = results
     assert torch.isfinite(h_ours).all() and h_ours.norm() > 0
     assert rel(g_ours, g_stock) < 1e-5 and rel(h_ours, h_stock) < 1e-4
+
+
+def test_gcn_conv_keeps_only_a_compact_adjacency() -> None:
+    """A GCN layer through the CSR path: after its forward the only CSR matrix alive is the one its product saved,
+    int32 indices and values in storages of their own (the stock product keeps GCN's normalised matrix, whose
+    column indices are a view of the self-looped ``[2, E]`` int64 edge list: 20 bytes an edge, not 8); output and
+    input gradient bitwise the stock CSR product's."""
+    import gc
+
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import GCNConv
+
+    def alive_csr() -> list[torch.Tensor]:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.sparse_csr]
+
+    torch.manual_seed(0)
+    n = 300
+    edge_index = torch.randint(0, n, (2, 3000))
+    edge_index = torch.unique(edge_index[:, edge_index[0] != edge_index[1]], dim=1)  # simple: the CSR path applies
+    x0 = torch.randn(n, 8)
+    results = []
+    for compact in (False, True):
+        torch.manual_seed(1)
+        conv = GCNConv(8, 4)
+        if compact:
+            install_impl(conv, "message_passing_spmm")
+        before = {id(t) for t in alive_csr()}
+        x = x0.clone().requires_grad_()
+        out = conv(x, edge_index) if compact else _stock_csr_conv(conv, x, edge_index)
+        held = [t for t in alive_csr() if id(t) not in before]
+        assert len(held) == 1
+        results.append((out, torch.autograd.grad(out.sum(), x)[0], held[0]))
+        del held
+    (out_s, gx_s, adj_s), (out_c, gx_c, adj_c) = results
+    assert torch.equal(out_c, out_s) and torch.equal(gx_c, gx_s)
+    nnz, own = adj_c.values().numel(), lambda t: t.untyped_storage().nbytes()  # noqa: E731
+    assert adj_c.col_indices().dtype == adj_c.crow_indices().dtype == torch.int32
+    assert own(adj_c.crow_indices()) + own(adj_c.col_indices()) + own(adj_c.values()) == 4 * (n + 1) + 8 * nnz
+    assert own(adj_s.col_indices()) == 16 * nnz  # the stock one: both rows of the edge list
+
+
+def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+    """``conv`` on the CSR adjacency zoomem builds, through PyG's own code (the stock sparse product)."""
+    from torch_geometric.utils import to_torch_csr_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        adj_t = to_torch_csr_tensor(edge_index.flip(0), size=(x.size(0), x.size(0)))
+    return conv(x, adj_t)
 
 
 # CPU flash attention for the sensitivity probe: the stock kernel's values, and a backward a second backward

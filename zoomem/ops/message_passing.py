@@ -4,12 +4,17 @@ With an ``edge_index`` of shape [2, E], a PyG conv gathers an E x F tensor of me
 backward materialises its E x F gradient: on a 100k-node graph with 10 edges a node and 256 features, 1 GiB
 each way. Convs that implement ``message_and_aggregate`` (GCN, GraphSAGE, GIN, GraphConv, ...) can instead take
 the transposed adjacency as a ``torch.sparse_csr`` tensor and aggregate with one SpMM that never holds an
-edges-by-features tensor. This implementation converts the edge list on the way in and calls the conv's
-current forward (the plan's, so recomputation still applies).
+edges-by-features tensor. This implementation converts the edge list on the way in and calls the conv's own
+forward; in a wrapped model it runs inside zoomem's forward of the conv's unit (``runtime.compact.UNIT_INNER``),
+so a recomputed conv converts its edge list again rather than holding the adjacency from forward to backward.
 
 It applies only where both paths compute the same thing: a simple graph (no duplicate edges, no self
 loops, checked on every call; otherwise it falls back to the edge list) and no edge weights or extra inputs.
 The sums run in another order, so results agree to float rounding (about 1e-7 relative), not bitwise.
+
+What the products save is the adjacency's structure in a compact form (:func:`_compact_csr`: indices in their
+own storage, int32 where they fit): PyG builds a CSR's column indices as a view of a ``[2, E]`` edge list, so the
+stock product of a GCN layer keeps both rows of its self-looped edge list alive (16 bytes an edge) where 4 do.
 
 Double backward (``create_graph=True``): PyG's ``spmm`` runs ``aggr="add"`` as a plain ``torch.sparse.mm``, which
 supports it; other reductions on CPU go to aten's ``_sparse_mm_reduce_impl``, whose backward has no derivative
@@ -68,6 +73,44 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
 _REDUCES = frozenset({"sum", "mean", "max", "min", "amax", "amin"})
 
 
+def _compact_member(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A member of a CSR matrix as ``dtype`` in a storage of its own (a copy if it is a view into a larger one),
+    not a view of the matrix (``values()`` is one: it would keep the whole matrix alive)."""
+    if t.dtype != dtype:
+        return t.to(dtype)
+    own = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.detach() if own else t.clone(memory_format=torch.contiguous_format)
+
+
+def _compact_csr(adj: torch.Tensor, narrow: bool = True) -> torch.Tensor:
+    """The same CSR matrix holding only its own bytes: each tensor in a storage of its own and, with ``narrow``,
+    indices int32 where the sizes fit (``torch.sparse.mm`` takes either, with bitwise the same results)."""
+    crow, col, values = adj.crow_indices(), adj.col_indices(), adj.values()
+    dtype = torch.int32 if narrow and max(adj.shape[-1], col.numel()) < 2**31 else crow.dtype
+    with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: the structure is adj's
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(_compact_member(crow, dtype), _compact_member(col, dtype),
+                                       _compact_member(values, values.dtype), adj.shape)
+
+
+class _ConstCsrMm(torch.autograd.Function):
+    """``torch.sparse.mm(adj, x)`` for a constant CSR ``adj`` (GCN's normalised adjacency, GIN's unit one) and a
+    dense ``x``: the stock kernels both ways (bitwise the stock output and gradient), saving :func:`_compact_csr`
+    of ``adj`` where the stock node keeps ``adj`` and the edge list its indices are views of."""
+
+    @staticmethod
+    def forward(ctx, adj, x):  # type: ignore[override]
+        ctx.save_for_backward(_compact_csr(adj))
+        return torch.sparse.mm(adj, x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        adj, = ctx.saved_tensors
+        return None, torch.sparse.mm(adj.t(), grad)  # differentiable in grad: a create_graph backward records it
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -90,7 +133,8 @@ class _CsrSpmmReduce(torch.autograd.Function):
                 out, arg_out = torch.ops.aten._sparse_mm_reduce_impl(adj, x.detach().requires_grad_(), reduce)
             out = out.detach()
         ctx.reduce, ctx.x_shape, ctx.adj_shape, ctx.v_dtype = reduce, x.shape, adj.shape, adj.values().dtype
-        ctx.save_for_backward(adj.crow_indices(), adj.col_indices(), arg_out)
+        compact = _compact_csr(adj, narrow=False)  # the reduce kernels' backward: int64 indices, as aten built them
+        ctx.save_for_backward(compact.crow_indices(), compact.col_indices(), arg_out)
         return out
 
     @staticmethod
@@ -138,9 +182,20 @@ def _spmm_reduce_grad(
     return grad.new_zeros(x_shape).scatter_add(0, col[arg_out.clamp(max=nnz - 1)], src)
 
 
+def _const_csr_product(adj: Any, x: Any) -> bool:
+    """Whether ``torch.sparse.mm(adj, x)`` multiplies a constant CSR matrix into a dense 2-D ``x`` that needs a
+    gradient (what :class:`_ConstCsrMm` computes)."""
+    return (
+        isinstance(adj, torch.Tensor) and adj.layout == torch.sparse_csr and adj.dim() == 2 and not adj.requires_grad
+        and isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dim() == 2 and x.requires_grad
+        and torch.is_grad_enabled()
+    )
+
+
 class _RouteReduceSpmm(TorchFunctionMode):
     """Inside a conv's forward, sends ``torch.sparse.mm(adj, x, reduce)`` on our adjacency to
-    :class:`_CsrSpmmReduce` when ``x`` needs a gradient; every other call runs unchanged."""
+    :class:`_CsrSpmmReduce` and ``torch.sparse.mm(a, x)`` on any constant CSR matrix (GCN normalises ours into
+    another) to :class:`_ConstCsrMm`, when ``x`` needs a gradient; every other call runs unchanged."""
 
     def __init__(self, adj: torch.Tensor) -> None:
         super().__init__()
@@ -148,6 +203,8 @@ class _RouteReduceSpmm(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is torch.sparse.mm and len(args) == 2 and not kwargs and _const_csr_product(*args):
+            return _ConstCsrMm.apply(*args)
         if func is torch.sparse.mm and args and args[0] is self.adj:
             other = args[1] if len(args) > 1 else kwargs.get("mat2")
             reduce = args[2] if len(args) > 2 else kwargs.get("reduce")
