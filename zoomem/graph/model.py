@@ -96,7 +96,8 @@ class OpGraph:
         timeline_compact: the same with every memory-efficient implementation the runtime would use installed
             (units ``compact_units``, and those outside the units); filled by the runtime when it plans.
         compact_recompute_units: those of ``compact_units`` whose compact forms all run inside the unit, so a
-            recomputation of the unit runs them again (not a form wrapping the unit's own forward).
+            recomputation of the unit runs them again: forms of its modules, and of the unit's own module where
+            zoomem's forward of the unit runs them (``runtime.compact.UNIT_INNER``), not where they wrap it.
     """
 
     model: str

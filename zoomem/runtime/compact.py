@@ -21,7 +21,15 @@ from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
-__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "choose_impls", "install_switched", "install_all", "wrap_root"]
+__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "UNIT_INNER", "choose_impls", "install_switched", "install_all",
+           "wrap_root"]
+
+UNIT_INNER = "zoomem_unit_inner"
+"""Attribute of zoomem's forward of a unit: a one-element list holding the callable it runs (and recomputes)
+inside, the module's own forward. :func:`install_switched` puts an implementation of the unit's own module there,
+beneath the recomputation: a recomputed unit runs it again, and its checkpoint holds the inputs as they came (an
+edge list), not as the implementation turned them (PyG's CSR adjacency, which it would otherwise hold from the
+forward to the unit's backward)."""
 
 OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernorm_output", "rmsnorm_output"})
 """Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
@@ -95,12 +103,26 @@ def install_switched(
                 undos.append(with_setup(mod, impl, lambda: None))
                 on_root.append(impl)
                 continue
+            inner = getattr(getattr(mod, impl.attribute), UNIT_INNER, None) if impl.attribute == "forward" else None
+            if inner is not None:  # a unit's own module: inside zoomem's forward of the unit
+                undos.append(with_setup(mod, impl, _set_inner(inner, functools.partial(
+                    _switched, unit, is_on, mod, impl, inner[0]))))
+                continue
             switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
             if impl.attribute == "forward":
                 undos.append(with_setup(mod, impl, set_forward(mod, switched)))
             else:
                 undos.append(with_setup(mod, impl, set_attribute(mod, impl.attribute, switched)))
     return undos, on_root
+
+
+def _set_inner(inner: list, forward: Callable[..., Any]) -> Callable[[], None]:  # type: ignore[type-arg]
+    previous, inner[0] = inner[0], forward
+
+    def undo() -> None:
+        inner[0] = previous
+
+    return undo
 
 
 def wrap_root(root: nn.Module, impls: list[Impl], forward: Callable[..., Any]) -> Callable[..., Any]:

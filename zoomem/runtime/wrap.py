@@ -37,7 +37,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN
 from .distributed import from_rank0, world_size
-from .compact import OUTSIDE_UNITS, choose_impls, install_all, install_switched, wrap_root
+from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
 from .storage import SavedTensorStore
@@ -331,9 +331,10 @@ def cost_model(
         finally:
             undo()
         graph.compact_units = [u for u, pairs in chosen.items() if pairs and u != OUTSIDE_UNITS]
-        modules = {u.name: u.module for u in units}
+        inside = {u.name for u in units if hasattr(u.module.forward, UNIT_INNER)}  # zoomem's unit forward runs
+        modules = {u.name: u.module for u in units}  # a form of the unit's own module inside its recomputation
         graph.compact_recompute_units = [u for u in graph.compact_units
-                                         if all(mod is not modules.get(u) for mod, _ in chosen[u])]
+                                         if u in inside or all(mod is not modules.get(u) for mod, _ in chosen[u])]
     if windows == [] and graph.timeline:  # no unit has compact forms: the windows of the step as lossy plans run it
         undo = install_all(chosen)
         try:
@@ -891,9 +892,10 @@ def wrap(
 
 
 def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
-    original = unit.module.forward
+    inner = [unit.module.forward]  # what runs (and is recomputed) inside; see :data:`UNIT_INNER`
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        original = inner[0]
         active = handle.active
         decision = active.decisions.get(unit.name, Decision.KEEP) if active is not None else Decision.KEEP
 
@@ -930,6 +932,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             chain.register(out, recipe)  # type: ignore[union-attr]
         return out
 
+    setattr(forward, UNIT_INNER, inner)
     return forward
 
 
