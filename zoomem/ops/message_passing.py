@@ -93,24 +93,6 @@ def _compact_csr(adj: torch.Tensor, narrow: bool = True) -> torch.Tensor:
                                        _compact_member(values, values.dtype), adj.shape)
 
 
-class _ConstCsrMm(torch.autograd.Function):
-    """``torch.sparse.mm(adj, x)`` for a constant CSR ``adj`` (GCN's normalised adjacency, GIN's unit one) and a
-    dense ``x``: the stock kernels both ways (bitwise the stock output and gradient), saving :func:`_compact_csr`
-    of ``adj`` where the stock node keeps ``adj`` and the edge list its indices are views of."""
-
-    @staticmethod
-    def forward(ctx, adj, x):  # type: ignore[override]
-        ctx.save_for_backward(_compact_csr(adj))
-        return torch.sparse.mm(adj, x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        if not ctx.needs_input_grad[1]:
-            return None, None
-        adj, = ctx.saved_tensors
-        return None, torch.sparse.mm(adj.t(), grad)  # differentiable in grad: a create_graph backward records it
-
-
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -184,7 +166,7 @@ def _spmm_reduce_grad(
 
 def _const_csr_product(adj: Any, x: Any) -> bool:
     """Whether ``torch.sparse.mm(adj, x)`` multiplies a constant CSR matrix into a dense 2-D ``x`` that needs a
-    gradient (what :class:`_ConstCsrMm` computes)."""
+    gradient (autograd then saves the matrix)."""
     return (
         isinstance(adj, torch.Tensor) and adj.layout == torch.sparse_csr and adj.dim() == 2 and not adj.requires_grad
         and isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dim() == 2 and x.requires_grad
@@ -194,8 +176,9 @@ def _const_csr_product(adj: Any, x: Any) -> bool:
 
 class _RouteReduceSpmm(TorchFunctionMode):
     """Inside a conv's forward, sends ``torch.sparse.mm(adj, x, reduce)`` on our adjacency to
-    :class:`_CsrSpmmReduce` and ``torch.sparse.mm(a, x)`` on any constant CSR matrix (GCN normalises ours into
-    another) to :class:`_ConstCsrMm`, when ``x`` needs a gradient; every other call runs unchanged."""
+    :class:`_CsrSpmmReduce`, and ``torch.sparse.mm(a, x)`` on any constant CSR matrix (GCN normalises ours into
+    another) to the same product on :func:`_compact_csr` of it, when ``x`` needs a gradient; every other call runs
+    unchanged."""
 
     def __init__(self, adj: torch.Tensor) -> None:
         super().__init__()
@@ -204,7 +187,9 @@ class _RouteReduceSpmm(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.sparse.mm and len(args) == 2 and not kwargs and _const_csr_product(*args):
-            return _ConstCsrMm.apply(*args)
+            # the stock product, on the same matrix held compactly: bitwise the same output and gradient, and
+            # autograd saves the compact one (before the product runs, as for any input it saves)
+            return torch.sparse.mm(_compact_csr(args[0]), args[1])
         if func is torch.sparse.mm and args and args[0] is self.adj:
             other = args[1] if len(args) > 1 else kwargs.get("mat2")
             reduce = args[2] if len(args) > 2 else kwargs.get("reduce")
