@@ -14,7 +14,8 @@ The sums run in another order, so results agree to float rounding (about 1e-7 re
 
 What the products save is the adjacency's structure in a compact form (:func:`_compact_csr`: indices in their
 own storage, int32 where they fit): PyG builds a CSR's column indices as a view of a ``[2, E]`` edge list, so the
-stock product of a GCN layer keeps both rows of its self-looped edge list alive (16 bytes an edge) where 4 do.
+stock product of a GCN layer keeps both int64 rows of its self-looped edge list alive (16 bytes an edge for its
+column indices, where 4 do; 8 an edge with the values).
 
 Double backward (``create_graph=True``): PyG's ``spmm`` runs ``aggr="add"`` as a plain ``torch.sparse.mm``, which
 supports it; other reductions on CPU go to aten's ``_sparse_mm_reduce_impl``, whose backward has no derivative
