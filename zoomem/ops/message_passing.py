@@ -85,7 +85,8 @@ def _compact_member(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _compact_csr(adj: torch.Tensor, narrow: bool = True) -> torch.Tensor:
     """The same CSR matrix holding only its own bytes: each tensor in a storage of its own and, with ``narrow``,
-    indices int32 where the sizes fit (``torch.sparse.mm`` takes either, with bitwise the same results)."""
+    indices int32 where the sizes fit (``torch.sparse.mm`` takes either: bitwise the same results on CPU, which
+    the tests check; on CUDA not measured here)."""
     crow, col, values = adj.crow_indices(), adj.col_indices(), adj.values()
     dtype = torch.int32 if narrow and max(adj.shape[-1], col.numel()) < 2**31 else crow.dtype
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: the structure is adj's
