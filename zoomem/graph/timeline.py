@@ -49,9 +49,11 @@ class _Held:
         self.tensor, self.seg, self.raw, self.key = tensor, seg, raw, key
 
 
-ForwardWindow = tuple[int, str, int]
-"""(segment, key, peak bytes above the step's start) of one stretch of a forward: from saving the tensor ``key``
-to saving the next one (or the segment's end); a segment's first stretch has key ``""``."""
+ForwardWindow = tuple[int, str, int, int]
+"""(segment, key, peak bytes above the step's start, rise) of one stretch of a forward: from saving the tensor
+``key`` to saving the next one (or the segment's end); a segment's first stretch has key ``""``. ``rise``: its peak
+above its start, what the forward's work after the saving adds (a quantization's scratch, at the saving, counts
+only beyond it)."""
 
 BackwardWindow = tuple[int, str, int, int, int]
 """(segment, key, peak bytes above the step's start, node, rise) of one stretch of a backward: from autograd
@@ -185,7 +187,7 @@ def _measure(
         if windows is not None and phase == "backward":
             windows.append((seg, key, peak, node, stat.peak_bytes - prev_end))
         if forward_windows is not None and phase == "forward":
-            forward_windows.append((seg, key, peak))
+            forward_windows.append((seg, key, peak, stat.peak_bytes - prev_end))
         if current is None:
             current = [seg, phase, prev_end - base, peak, stat.end_bytes - base]
         else:

@@ -17,7 +17,7 @@ units and storages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -109,14 +109,15 @@ class CostModel:
     """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
     backward peak there, indices into ``saved`` still packed, indices unpacked by the node running, those whose
     dequantization opens the stretch, what the stretch's work rises after it)."""
-    forward_windows: list[tuple[int, str, int]] = field(default_factory=list)
-    """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes), in
-    order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
-    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = (
-        field(default_factory=dict))
+    forward_windows: list[tuple[int, str, int, int]] = field(default_factory=list)
+    """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes, rise),
+    in order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
+    own_forward: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                      int]]] = field(default_factory=dict)
     """Per segment, its forward's stretches as its own lossy-eligible tensors stand there: (bytes below the
     segment's forward peak, indices into ``saved`` packed and free by then, those packed but still held by the
-    model's code, the one whose packing opens the stretch if any, earlier segments' tensors still whole there).
+    model's code, the one whose packing opens the stretch if any, earlier segments' tensors still whole there,
+    what the stretch's work rises after the packing that opens it).
     The last: the head's first stretch starts as the last unit returns, before its caller lets go of that unit's
     input and the stage input it was called with (:meth:`_lingering`); packed, they are whole there still."""
     saved_alive: list[int] = field(default_factory=list)
@@ -403,31 +404,33 @@ class CostModel:
                      if alive == n and ((s.unit_input and k == n) or last in s.input_of or s.held_through == last))
 
     def _own_forward(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
-                                                   tuple[int, ...]]]]:
+                                                   tuple[int, ...], int]]]:
         """:attr:`own_forward` from :attr:`forward_windows` and each tensor's :attr:`SavedInfo.dead_at`: a tensor
         is packed from the stretch its saving opens, and free from the one its ``dead_at`` save opens; the head's
-        first stretch holds :meth:`_lingering` whole."""
-        by_seg: dict[int, list[tuple[str, int]]] = {}
-        for seg, key, peak in self.forward_windows:
-            by_seg.setdefault(seg, []).append((key, peak))
+        first stretch holds :meth:`_lingering` whole. The quantization scratch of the tensor whose packing opens a
+        stretch counts only beyond what the stretch's work rises after it: it is gone before that work runs."""
+        by_seg: dict[int, list[tuple[str, int, int]]] = {}
+        for seg, key, peak, rise in self.forward_windows:
+            by_seg.setdefault(seg, []).append((key, peak, rise))
         mine: dict[int, list[int]] = {}
         for j, k in enumerate(self.saved_seg):
             mine.setdefault(k, []).append(j)
         head, lingering = len(self.units) + 1, self._lingering()
-        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = {}
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                  int]]] = {}
         for k, walk in by_seg.items():
             if k not in mine and not (k == head and lingering):
                 continue
-            top = max(peak for _, peak in walk)
-            opens = {key: i for i, (key, _) in enumerate(walk) if key}
+            top = max(peak for _, peak, _ in walk)
+            opens = {key: i for i, (key, _, _) in enumerate(walk) if key}
             never = len(walk)
-            states: dict[tuple[tuple[int, ...], ...], int] = {}  # a state's least deficit: one constraint each
-            for i, (key, peak) in enumerate(walk):
+            states: dict[tuple[Any, ...], int] = {}  # a state's least deficit: one constraint each
+            for i, (key, peak, rise) in enumerate(walk):
                 packed = [j for j in mine.get(k, ()) if opens.get(self.saved[j].key, never) <= i]
                 free = tuple(j for j in packed if opens.get(self.saved[j].dead_at or "", never) <= i)
                 held = tuple(j for j in packed if j not in free)
                 opened = tuple(j for j in packed if self.saved[j].key == key)
-                state = (free, held, opened, lingering if k == head and i == 0 else ())
+                state = (free, held, opened, lingering if k == head and i == 0 else (), rise if opened else 0)
                 states[state] = min(states.get(state, top - peak), top - peak)
             out[k] = [(d, *state) for state, d in states.items()]
         return out
@@ -441,8 +444,8 @@ class CostModel:
         out: dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]] = {}
         for k, fstates in self.own_forward.items():
             out["forward", k] = [(d, [*((j, "free", 0) for j in free), *((j, "beside", 0) for j in held),
-                                      *((j, "packing", 0) for j in opened), *((j, "whole", 0) for j in whole)])
-                                 for d, free, held, opened, whole in fstates]
+                                      *((j, "packing", rise) for j in opened), *((j, "whole", 0) for j in whole)])
+                                 for d, free, held, opened, whole, rise in fstates]
         for k, states in self.own_windows.items():
             out["backward", k] = [(d, [*((j, "free", 0) for j in pending), *((j, "beside", 0) for j in cur),
                                        *((j, "unpacking", rise) for j in opened)])
@@ -453,8 +456,8 @@ class CostModel:
         """Bytes saved tensor ``j`` stored in ``bits`` takes off a stretch (:meth:`stretches`): ``free`` its
         bytes less its packed form (packed, and nothing else holds it), ``beside`` minus its packed form (beside
         the whole tensor the model's code or a dequantized copy holds), ``whole`` minus what packing would free
-        (credited from its segment on, but still whole there), ``packing`` minus its quantization scratch,
-        ``unpacking`` minus its dequantization scratch beyond the stretch's own ``rise``."""
+        (credited from its segment on, but still whole there), ``packing`` minus its quantization scratch and
+        ``unpacking`` minus its dequantization scratch, each beyond the stretch's own ``rise``."""
         s = self.saved[j]
         if kind == "free":
             return s.nbytes - s.packed_nbytes(bits)
@@ -463,7 +466,7 @@ class CostModel:
         if kind == "whole":
             return s.packed_nbytes(bits) - s.nbytes
         if kind == "packing":
-            return -self.scratch(s, bits)[0]
+            return -max(0, self.scratch(s, bits)[0] - rise)
         if kind == "unpacking":
             return -max(0, self.scratch(s, bits)[1] - rise)
         raise ValueError(f"unknown stretch term {kind!r}")
@@ -475,7 +478,7 @@ class CostModel:
         during the later forwards that hold it whole anyway (:attr:`saved_alive`) it counts whole. During k's own
         forward the gain is the least over its stretches (:attr:`own_forward`) of what the stretch lies below the
         peak plus the tensors packed and free by then, less the packed forms of those the model's code still holds
-        and the quantization scratch of the one being packed, and less the gains of earlier tensors the model's code
+        and the quantization scratch of the one being packed beyond the work after it, and less the gains of earlier tensors the model's code
         still holds there (the head's first stretch: :meth:`_lingering`) (without stretches, a trace extrapolated
         from smaller batches: none, and everything whole). During k's own backward the gain is the least over the
         stretches of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the

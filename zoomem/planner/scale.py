@@ -97,10 +97,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     if [(w[:2], w[3]) for w in small.backward_windows] == [(w[:2], w[3]) for w in large.backward_windows]:
         windows = [(seg, key, by(a, b), node, by(ra, rb)) for (seg, key, a, node, ra), (_, _, b, _, rb)
                    in zip(small.backward_windows, large.backward_windows)]
-    forward_windows: list[tuple[int, str, int]] = []
+    forward_windows: list[tuple[int, str, int, int]] = []
     if [w[:2] for w in small.forward_windows] == [w[:2] for w in large.forward_windows]:
-        forward_windows = [(seg, key, by(a, b)) for (seg, key, a), (_, _, b) in zip(small.forward_windows,
-                                                                                  large.forward_windows)]
+        forward_windows = [(seg, key, by(a, b), by(ra, rb)) for (seg, key, a, ra), (_, _, b, rb)
+                           in zip(small.forward_windows, large.forward_windows)]
     return dataclasses.replace(
         large,
         fixed_bytes=by(small.fixed_bytes, large.fixed_bytes),
