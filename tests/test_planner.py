@@ -113,6 +113,20 @@ def test_time_limit_bounds_the_whole_plan(bert_costs: CostModel, monkeypatch: py
     assert plan.lp_bound is not None and plan.solve_s <= 30.0
 
 
+def test_the_solver_starts_from_the_greedy_plan(bert_costs: CostModel, capfd: pytest.CaptureFixture[str]) -> None:
+    """The program starts from the greedy baseline's plan with either solver: PuLP hands initial values to CBC
+    (``warmStart``) but not to its HiGHS, the default where installed, which therefore started from nothing."""
+    from zoomem.planner import solve
+
+    baseline = bert_costs.peak({u: Decision.KEEP for u in bert_costs.units})
+    budget = int(baseline * 0.8)
+    prob, _ = solve._build(bert_costs, budget, warm=solve._decisions_greedy(bert_costs, budget))
+    name, solver = solve._solver(10.0, msg=True)
+    prob.solve(solver)  # its log on the process's stdout
+    log = capfd.readouterr().out
+    assert ("MIP start solution is feasible" if name == "HiGHS" else "MIPStart values read") in log, log[-2000:]
+
+
 def test_minimum_budget_error_names_a_budget_that_works(bert_costs: CostModel) -> None:
     with pytest.raises(zoomem.InfeasibleBudgetError) as err:
         make_plan(bert_costs, 1)

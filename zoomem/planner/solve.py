@@ -18,7 +18,7 @@ import time
 from functools import lru_cache
 from typing import Callable, Iterator
 
-from .compression import CompressOptions
+from .compression import CompressOptions, region_of
 from .costs import OUTSIDE_UNITS, CostModel
 from .plan import Decision, InfeasibleBudgetError, Plan, UnitPlan
 
@@ -106,11 +106,30 @@ program that names the smallest feasible budget is solved to the solver's defaul
 
 
 def _solver(time_limit: float, msg: bool = False, gap: float | None = None):  # type: ignore[no-untyped-def]
+    """HiGHS when installed, else CBC; either starts from the variables' initial values (a warm start)."""
     import pulp
 
     if "HiGHS" in _available_solvers():
-        return "HiGHS", pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap)
+        return "HiGHS", _warm_highs()(msg=msg, timeLimit=time_limit, gapRel=gap)
     return "CBC", pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, warmStart=True, gapRel=gap)
+
+
+@lru_cache(maxsize=1)
+def _warm_highs() -> type:
+    """PuLP's HiGHS, given the variables' initial values as a (partial) MIP start: PuLP passes them to CBC
+    (``warmStart``) but not to HiGHS, which completes a partial start itself."""
+    import numpy as np
+    import pulp
+
+    class WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, name-defined]
+        def callSolver(self, lp):  # type: ignore[no-untyped-def]
+            start = [(v.index, float(v.varValue)) for v in lp.variables() if v.varValue is not None]
+            if start and self.mip and any(v.cat == pulp.LpInteger for v in lp.variables()):  # not the LP bound
+                index, value = zip(*start)
+                lp.solverModel.setSolution(len(index), np.array(index, dtype=np.int32), np.array(value))
+            super().callSolver(lp)
+
+    return WarmHiGHS
 
 
 @contextlib.contextmanager
@@ -188,10 +207,14 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             modes.append((Decision.RECOMPUTE_CHAIN, 0))
             if (Decision.RECOMPUTE, 1) in modes:
                 modes.append((Decision.RECOMPUTE_CHAIN, 1))
+        if warm is not None:  # the warm plan's mode: compact forms as stored where it stores a tensor lossily
+            warm_on = int(u in warm[1])
+            if warm_on and (warm[0][u], 2) in modes and any(region_of(key) == u for key in warm[2]):
+                warm_on = 2
         for d, on in modes:
             x[u, d, on] = pulp.LpVariable(f"x_{i}_{d.value}{('', '_c', '_s')[on]}", 0, 1, cat)
             if warm is not None:
-                x[u, d, on].setInitialValue(1 if warm[0][u] == d and int(u in warm[1]) == on else 0)
+                x[u, d, on].setInitialValue(1 if warm[0][u] == d and warm_on == on else 0)
         prob += pulp.lpSum(x[u, d, on] for d, on in modes) == 1
         kept[u] = pulp.lpSum(x[u, d, on] for d, on in modes if d == Decision.KEEP)
     keep = lambda seg: kept[model.units[seg - 1]]  # noqa: E731
@@ -363,16 +386,18 @@ warm start and building the program took: enough for the solver to return the wa
 
 def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.0,  # type: ignore[type-arg]
                    compress: CompressOptions | None = None,
-                   deadline: float | None = None) -> tuple[Choice | None, dict]:
+                   deadline: float | None = None, warm: Choice | None = None) -> tuple[Choice | None, dict]:
     """The program under ``budget``, solved by ``deadline`` (``time.perf_counter()`` seconds; default: ``time_limit``
-    from now), then relaxed in place for its LP bound in the time left."""
+    from now), then relaxed in place for its LP bound in the time left. ``warm``: a plan to start from (default:
+    the greedy baseline's, lossless programs only)."""
     import pulp
 
     if budget is None:
         return _decisions_none(model, None), {"solver": "", "status": "no budget"}
     if deadline is None:
         deadline = time.perf_counter() + time_limit
-    warm = _decisions_greedy(model, budget) if compress is None else None
+    if warm is None and compress is None:
+        warm = _decisions_greedy(model, budget)
     prob, xq = _build(model, budget, warm=warm, compress=compress)
     name, solver = _solver(max(MIN_SOLVER_S, deadline - time.perf_counter()), gap=MIP_GAP)
     solve(prob, solver)
@@ -418,8 +443,10 @@ def make_plan(
     The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
     error reports. ``time_limit`` bounds the whole plan (the greedy warm start, building the program, solving it,
     its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
-    bound is skipped (``None``) when nothing is left. Naming the smallest feasible budget after a failure takes
-    up to ``time_limit`` more.
+    bound is skipped (``None``) when nothing is left. After a failure the least-peak program runs (up to
+    ``time_limit`` more): its peak is the smallest feasible budget the error names, or, where its plan fits (the
+    budgeted program found none in time: the combined one has no greedy start), the program runs again from that
+    plan (up to ``time_limit`` more), which is the plan if nothing better comes back.
 
     Raises:
         InfeasibleBudgetError: no plan of this strategy fits; the message names the smallest budget that has one.
@@ -440,11 +467,28 @@ def make_plan(
         choice, info = _decisions_ilp(model, target, time_limit, compress, deadline=t0 + time_limit)
     else:
         choice = STRATEGIES[strategy](model, target)
-    solve_s = time.perf_counter() - t0
     peak = model.peak(*choice) if choice else None
-    if target is not None and (peak is None or (strategy in ("ilp", "greedy") and peak > target)):
+
+    def misses(peak: int | None) -> bool:
+        return target is not None and (peak is None or (strategy in ("ilp", "greedy") and peak > target))
+
+    least = None
+    if misses(peak):
+        least, least_choice = min_feasible_budget(model, time_limit, compress)
+        if strategy == "ilp" and not misses(least):
+            # the program found no plan in time (the combined one has no greedy start), yet the least-peak plan
+            # fits: start from it (what the solver finds then costs less time or variance, or it is the plan)
+            logger.info("zoomem: the program found no plan for %.1f MiB in %.0f s; starting again from the "
+                        "least-peak plan (%.1f MiB)", target / _MIB, time_limit, least / _MIB)
+            choice, info = _decisions_ilp(model, target, time_limit, compress, warm=least_choice)
+            peak = model.peak(*choice) if choice else None
+            if misses(peak):
+                choice, peak, info = least_choice, least, {**info, "status": "feasible (least-peak plan)"}
+    solve_s = time.perf_counter() - t0
+    if misses(peak):
+        assert least is not None
         # + 64 bytes: the budget-constrained program must find it feasible too, after rounding and tolerances
-        smallest = min(math.ceil(min_feasible_budget(model, time_limit, compress)[0] * (1 + margin)) + 64, baseline)
+        smallest = min(math.ceil(least * (1 + margin)) + 64, baseline)
         raise InfeasibleBudgetError(
             f"No {strategy} plan keeps this step within {budget / _MIB:.1f} MiB ({budget} bytes): the smallest "
             f"feasible budget is {smallest / _MIB:.1f} MiB ({smallest} bytes; plain PyTorch needs "
