@@ -54,6 +54,10 @@ class SavedInfo:
     (a BatchNorm's normalised input, made only to be saved, by the next save): packed, it frees its bytes from
     there on in its own forward. ``None``: still held when its region's saving ends (:func:`zoomem.runtime.probe.
     liveness`)."""
+    shares: tuple[str, ...] = ()
+    """Keys of the tensors saved before it that are other parts of the same memory, none of them all of it (timm's
+    attention saves q, k and v, views of one ``qkv`` output): packing one frees nothing while another is kept exact,
+    so a plan stores them lossily all or none."""
 
     @property
     def numel(self) -> int:
@@ -72,7 +76,8 @@ class SavedInfo:
         return {"key": self.key, "region": self.region, "shape": list(self.shape), "dtype": str(self.dtype),
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
                 "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output,
-                "held_through": self.held_through, "unit_input": self.unit_input, "dead_at": self.dead_at}
+                "held_through": self.held_through, "unit_input": self.unit_input, "dead_at": self.dead_at,
+                "shares": list(self.shares)}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ units and storages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -312,7 +312,9 @@ class CostModel:
 
         from .compression import eligible
 
-        self.saved = eligible(infos)
+        duplicates = {s.key for s in infos if s.nbytes == 0}  # a view adopted by its base saved later
+        self.saved = [replace(s, shares=tuple(k for k in s.shares if k not in duplicates)) if s.shares else s
+                      for s in eligible(infos)]
         self.saved_seg = [seg_of(s.region) for s in self.saved]
         self.saved_alive = [max([k + int(s.unit_output), *(seg[u] for u in s.input_of if u in seg),
                                  seg_of(s.held_through) if s.held_through else k])

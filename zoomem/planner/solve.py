@@ -178,7 +178,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     compression modes, one more mode besides every lossless one: kept, its compact forms as they run where
     tensors are stored lossily (they save what rounding perturbs little: attention keeps its softmax); its tensors
     may be lossy only in that mode, and it only with one lossy (``q <= x[u, keep, stored] <= sum of q``), so every
-    lossless plan is a combined plan too. The compact forms outside the units are on in compression modes, and
+    lossless plan is a combined plan too. Tensors that are parts of one memory (:attr:`SavedInfo.shares`) are
+    lossy all or none. The compact forms outside the units are on in compression modes, and
     elsewhere where they help (:meth:`CostModel.outside_helps`): a constant per point.
     """
     import pulp
@@ -266,6 +267,11 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 vs.append(v)
                 in_region.setdefault(s.region, []).append(v)
             prob += pulp.lpSum(vs) <= 1
+        lossy_of = lambda key: pulp.lpSum(v for (k, _), v in q.items() if k == key)  # noqa: E731
+        eligible_keys = {s.key for s in model.saved}
+        for s in model.saved:  # parts of one memory: all lossy or none (one kept exact holds it all)
+            for other in s.shares:
+                prob += lossy_of(s.key) == (lossy_of(other) if other in eligible_keys else 0)
         for (u, d, on), v in x.items():  # a unit runs them as stored only where it stores some tensor lossily
             if on == 2:
                 prob += v <= pulp.lpSum(in_region.get(u, []))

@@ -236,9 +236,13 @@ class SavedTensorStore:
                     q, packed.device = q.to("cpu", non_blocking=True), t.device
                 packed = _Packed(None, q, packed.device)
         if self.record:
+            part = strided and tensor_nbytes(t) < t.untyped_storage().nbytes()  # recording holds each saved tensor
+            shares = tuple(k for k in self._input_ptrs.get(_ptr(t), ()) if part and 0 < self.infos[k].nbytes
+                           and tensor_nbytes(self.tensors[k]) < t.untyped_storage().nbytes())
             self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, tensor_nbytes(t), reason,
                                         held_through=self._held_ptrs.get(_ptr(t)),
-                                        unit_input=not region.startswith("<") and _ptr(t) in self._unit_args)
+                                        unit_input=not region.startswith("<") and _ptr(t) in self._unit_args,
+                                        shares=shares)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
