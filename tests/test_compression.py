@@ -594,8 +594,8 @@ def test_a_nodes_lossy_tensors_come_back_together() -> None:
     forward counts a block's own tensors whole (2.3% high here). The budget sits 3% under the lossless minimum:
     at 5% under, one CI run measured every plan it found at 57.7 MiB against a 57.5 MiB budget; with the program's
     timing weights perturbed, 2 of 22 runs here found such plans (one stored a block's k without its q and v:
-    :func:`test_parts_of_one_memory_are_stored_lossily_all_or_none`; a recompute chain in them is still 0.8 MiB
-    low after its backward, BENCHMARKS.md)."""
+    :func:`test_parts_of_one_memory_are_stored_lossily_all_or_none`; verification measured a recompute chain in
+    them 0.8 MiB high: ``tests/test_wrap.py::test_a_chain_measured_while_planning_holds_what_training_holds``)."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0, batch_size=64)  # activations dominate
     model.train()
     level = zoomem.plan(model, batch, level="L1.1")

@@ -840,7 +840,11 @@ def wrap(
 
     def model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if handle.busy:  # planning: a candidate plan measured runs its own model-level forms
-            return handle.in_force(original)(*args, **kwargs)
+            try:
+                return handle.in_force(original)(*args, **kwargs)
+            finally:  # as a training forward does (`planned`): its registry would hold every recipe's input
+                if handle.active is not None and handle.active.chain is not None:
+                    handle.active.chain.close()
         if not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced by torch.compile: the planned step runs as it is, uncompiled
