@@ -716,7 +716,7 @@ def test_parts_of_one_memory_are_stored_lossily_all_or_none() -> None:
     """timm's attention saves q, k and v, views of one ``qkv`` output: packing k frees nothing while q or v is
     kept exact, yet the cost model credited it (a ViT-Tiny b64 plan storing one block's k alone measured 0.8 MiB
     above its prediction from that block's forward on). The probe links such parts (:attr:`SavedInfo.shares`) and
-    the program stores them all or none, here even where q and v are far too sensitive to store lossily."""
+    the program stores them all or none, here even where q and k are far too sensitive to store lossily."""
     from zoomem.planner.solve import make_plan, min_feasible_budget
 
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0, batch_size=64)  # activations dominate
@@ -725,7 +725,7 @@ def test_parts_of_one_memory_are_stored_lossily_all_or_none() -> None:
     groups = [(*s.shares, s.key) for s in costs.saved if len(s.shares) == 2]
     assert len(groups) == 12  # one per block
     by_key = {s.key: s for s in costs.saved}
-    for *others, _ in groups:  # the program would store k alone if it could
+    for *others, _ in groups:  # q and k: the program would store v alone if it could
         for key in others:
             by_key[key].sensitivity = 1e6 * costs.grad_sq
     options = zoomem.CompressOptions()
