@@ -482,9 +482,9 @@ class CostModel:
         peak plus the tensors packed and free by then, less the packed forms of those the model's code still holds
         and the quantization scratch of the one being packed beyond the work after it, and less the gains of
         earlier tensors the model's code still holds there (the head's first stretch: :meth:`_lingering`) (without
-        stretches, a trace extrapolated from smaller batches: none, and everything whole). During k's own backward the gain is the least over the
-        stretches of it (:attr:`own_windows`) of what that stretch lies below the peak plus what is packed there: the
-        tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
+        stretches, a trace extrapolated from smaller batches: none, and everything whole). During k's own backward
+        the gain is the least over the stretches of it (:attr:`own_windows`) of what that stretch lies below the
+        peak plus what is packed there: the tensors not yet unpacked for the last time, less the packed forms beside the dequantized copies of the
         node running (a backward node unpacks all it saved at once: attention's q, k, v and softmax); the tensors
         of the nodes run before are gone in the plain step too; the stretch a dequantization opens holds its scratch
         beyond the work after it.

@@ -251,6 +251,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     seg_index = {u: i + 1 for i, u in enumerate(model.units)}
     if compress is not None:
         in_region: dict[str, list[pulp.LpVariable]] = {}
+        of_key: dict[str, list[pulp.LpVariable]] = {}
         for j, (s, k) in enumerate(zip(model.saved, model.saved_seg)):
             owners = [v for v in s.input_of if v in seg_index and v != s.region]
             vs = []
@@ -267,11 +268,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 vs.append(v)
                 in_region.setdefault(s.region, []).append(v)
             prob += pulp.lpSum(vs) <= 1
-        lossy_of = lambda key: pulp.lpSum(v for (k, _), v in q.items() if k == key)  # noqa: E731
-        eligible_keys = {s.key for s in model.saved}
+            of_key[s.key] = vs
         for s in model.saved:  # parts of one memory: all lossy or none (one kept exact holds it all)
             for other in s.shares:
-                prob += lossy_of(s.key) == (lossy_of(other) if other in eligible_keys else 0)
+                prob += pulp.lpSum(of_key[s.key]) == pulp.lpSum(of_key.get(other, []))
         for (u, d, on), v in x.items():  # a unit runs them as stored only where it stores some tensor lossily
             if on == 2:
                 prob += v <= pulp.lpSum(in_region.get(u, []))

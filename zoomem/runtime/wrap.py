@@ -81,6 +81,13 @@ class _Active:
             return contextlib.nullcontext()
         return self.store.hooks(model, batch.args, batch.kwargs)
 
+    def forward_done(self) -> None:
+        """End of one forward under this plan, a training one or one measured while planning: the chain forgets
+        its registry (it would keep every recipe, and so every chained unit's predecessor's input, to the end of
+        backward)."""
+        if self.chain is not None:
+            self.chain.close()
+
 
 @dataclass
 class _Planning:
@@ -842,9 +849,9 @@ def wrap(
         if handle.busy:  # planning: a candidate plan measured runs its own model-level forms
             try:
                 return handle.in_force(original)(*args, **kwargs)
-            finally:  # as a training forward does (`planned`): its registry would hold every recipe's input
-                if handle.active is not None and handle.active.chain is not None:
-                    handle.active.chain.close()
+            finally:
+                if handle.active is not None:
+                    handle.active.forward_done()
         if not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced by torch.compile: the planned step runs as it is, uncompiled
@@ -859,8 +866,7 @@ def wrap(
             with handle.active.hooks(model, batch):
                 return handle.in_force(original)(*args, **kwargs)
         finally:
-            if handle.active.chain is not None:
-                handle.active.chain.close()
+            handle.active.forward_done()
             handle.active = None
 
     @torch.compiler.disable
