@@ -649,13 +649,10 @@ def test_a_program_that_finds_nothing_in_time_starts_again_from_the_least_peak_p
     smallest feasible budget is 54.5 MiB"). Then the program runs again from that plan (each unit's mode set from
     it, the compact forms as stored where the plan stores a tensor lossily: the plain compact mode, as before, made
     the start infeasible), and what it returns costs no more than the least-peak plan."""
-    import importlib
-
-
+    from zoomem.planner import solve as S
     from zoomem.planner.costs import OUTSIDE_UNITS
     from zoomem.planner.solve import _build
 
-    S = importlib.import_module("zoomem.planner.solve")
     torch.manual_seed(0)
     model, batch = _Shortcuts(), zoomem.Batch((torch.randn(4096, 64),), {})
     zoomem.wrap(model, level="L1.2", batch=batch, loss_fn=lambda out, b: out)
