@@ -109,7 +109,8 @@ def test_bench_sweep_quick(tmp_path):
 
 
 def test_bench_compress_quick(tmp_path):
-    """`compress --quick` on the small GCN: every level and both budget modes, measured in one process; JSON, tables."""
+    """`compress --quick` on the small GCN: every level and both budget modes (the combined one also just below the
+    levels' peaks), measured in one process; JSON, tables."""
     out = tmp_path / "compress.json"
     levels = ["L0", "L1.1", "L1.2", "L2", "L2.2"]  # fixed and adaptive bits, the wrap's own level; ~1 s a level
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "compress", "--quick", "--models", "pyg/gcn",
@@ -138,6 +139,10 @@ def test_bench_compress_quick(tmp_path):
         for frac in (0.8, 0.5):
             key = f"{mode}@{frac:.0%}"
             assert (key in methods) != any(s["mode"] == mode and s["budget_frac"] == frac for s in r["skipped_budgets"])
+    below = {k[len("combined@<"):]: m for k, m in methods.items() if k.startswith("combined@<")}
+    assert below and data["settings"]["matched_budgets"]  # the combined mode just below a level's predicted peak
+    for level, m in below.items():
+        assert m["kind"] == "combined" and m["budget_bytes"] < methods[level]["predicted_peak_mib"] * MIB
     for key, m in methods.items():
         if "error" in m:
             assert m["kind"] in ("lossless", "combined") and m["error"].startswith("infeasible"), m
