@@ -7,6 +7,10 @@ peak, lossless or ``compress="auto"``). The model is wrapped once (``level="L2"`
 ``zoomem.plan`` makes it, then one step runs under it with the memory timeline measured, and every point of the
 cost model (a segment's forward peak, backward peak, and the bytes live where its backward starts) is printed
 beside the measured one. Points are bytes above the step's start (parameters, optimizer state and batch apart).
+
+A recomputed unit's recompute point is predicted with its recomputation's rise, but measured where its backward
+segment starts, before the first unpacking runs that recomputation (the rise shows in the backward point): there
+the prediction reads high by about the unit's forward rise, and only the backward point compares.
 """
 
 from __future__ import annotations
