@@ -1234,12 +1234,12 @@ QUICK_COMPRESS_FRACTIONS = (0.8, 0.5)
 COMPRESS_GOALS = {"L2.2": 8.0, "L2": 6.0}
 """The issue's goals: plain PyTorch's activation bytes over the level's, at least this."""
 OVERHEAD_CAPS = (1.10, 1.25, 1.5, 2.0, 3.0, None)
+"""Overhead caps at which the three modes' lowest measured peaks are compared (``None``: any overhead)."""
 COMBINED_MARGIN = 0.01
 """A peak counts as lower than another only by more than this fraction of plain PyTorch's peak."""
 MATCHED_GAP = 0.0125
-"""``--matched``: the combined budgets sit this fraction of PyTorch's peak below the predicted peak of each level
-and lossless plan (the verdict's margin, plus a quarter of it for the prediction error)."""
-"""Overhead caps at which the three modes' lowest measured peaks are compared (``None``: any overhead)."""
+"""``--matched``: the combined budgets sit this fraction of PyTorch's peak below the predicted peak of each lossy
+level and lossless plan (the verdict's margin, plus a quarter of it for the prediction error)."""
 _WRAP_LEVEL = "L2"
 """The level the model is wrapped with first (installs zoomem's forwards and every compact implementation)."""
 _MODES = {"lossless": "lossless `wrap(budget=...)`", "alone": "compression alone (cheapest fitting level)",
