@@ -180,6 +180,50 @@ def test_bench_compress_quick(tmp_path):
         assert g["met"] == (g["ratio"] >= g["target"])
 
 
+def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
+    """`--matched` budget selection: one combined plan just below each lossy level and lossless plan, lowest first,
+    none within the verdict's margin of another, none below a combined minimum an infeasible one named."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import zoomem
+
+    spec = importlib.util.spec_from_file_location("zoomem_bench_script", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    baseline = 1000 * MIB  # margin 10 MiB, gap 12.5 MiB
+
+    def method(key, kind, predicted_mib, lossy=1, budget_mib=None):
+        m = bench._Method(key, key, kind, None, None, None)
+        m.plan = SimpleNamespace(predicted_peak_bytes=int(predicted_mib * MIB))
+        m.info.update(lossy_tensors=lossy, budget_bytes=None if budget_mib is None else int(budget_mib * MIB))
+        return m
+
+    methods = [method("L0", "level", 1000, lossy=0), method("L1.1", "level", 500), method("L1.2", "level", 495),
+               method("L2.2", "level", 470), method("lossless@min", "lossless", 520),
+               method("combined@50%", "combined", 508, budget_mib=510)]
+
+    def planned(m, make):
+        try:
+            m.plan = make()
+        except zoomem.InfeasibleBudgetError as exc:
+            m.info["min_budget_bytes"] = exc.min_budget
+        methods.append(m)
+        return m
+
+    def plan(budget):
+        if budget < 465 * MIB:
+            raise zoomem.InfeasibleBudgetError("too low", min_budget=465 * MIB)
+        return SimpleNamespace(predicted_peak_bytes=budget)
+
+    bench._plan_below_others(methods, None, baseline, planned, plan)
+    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[6:]}
+    # L2.2's budget (457.5) is infeasible; L1.1's lies within 10 MiB of L1.2's, lossless@min's of combined@50%'s
+    assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5}
+    assert methods[6].plan is None and methods[7].plan is not None
+
+
 def test_bench_accuracy_quick(tmp_path):
     out = tmp_path / "acc.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "accuracy", "--quick", "--out", str(out),
