@@ -28,12 +28,12 @@ feasibility figure, not an overhead measure).
 - ``compress``: activation compression, per model (:data:`COMPRESS_SIZES`), all in one process: plain PyTorch, every
   level ``L0`` .. ``L3`` (``zoomem.wrap(level=...)``), and at budgets of 90..30% of PyTorch's peak (plus the minimum
   feasible one) lossless planning (``wrap(budget=...)``) and the combined mode (``wrap(budget=...,
-  compress="auto")``), and the combined mode again just below the peak of each lossy level and lossless plan
-  (``--matched``, the default: each of them then meets a combined plan at its own memory). The model is wrapped
-  once; every other plan comes from ``zoomem.plan`` on it and is put in the wrap's plan cache while it runs. Reports
-  activation bytes against PyTorch's (the issue's goals: >= 8x at L2.2, >= 6x at L2), measured peaks, step-time
-  overheads (interleaved, medians, one torch thread by default), and per budget and per overhead cap whether the
-  combined mode gets lower than either alone.
+  compress="auto")``), both modes again just below the peak of each lossy level and lossless plan (``--matched``,
+  the default: each of those then meets a plan of both modes at its own memory). The model is wrapped once; every
+  other plan comes from ``zoomem.plan`` on it and is put in the wrap's plan cache while it runs. Reports activation
+  bytes against PyTorch's (the issue's goals: >= 8x at L2.2, >= 6x at L2), measured peaks, step-time overheads
+  (interleaved, medians, one torch thread by default), and per budget and per overhead cap whether the combined mode
+  gets lower than either alone.
 
     python scripts/bench.py compress [--quick] [--models ID ...] [--levels L ...] [--fractions F ...] [--steps 3]
         [--out benchmarks/compress.json] [--markdown]
@@ -1238,8 +1238,8 @@ OVERHEAD_CAPS = (1.10, 1.25, 1.5, 2.0, 3.0, None)
 COMBINED_MARGIN = 0.01
 """A peak counts as lower than another only by more than this fraction of plain PyTorch's peak."""
 MATCHED_GAP = 0.0125
-"""``--matched``: the combined budgets sit this fraction of PyTorch's peak below the predicted peak of each lossy
-level and lossless plan (the verdict's margin, plus a quarter of it for the prediction error)."""
+"""``--matched``: both modes' extra budgets sit this fraction of PyTorch's peak below the predicted peak of each
+lossy level and lossless plan (the verdict's margin, plus a quarter of it for the prediction error)."""
 _WRAP_LEVEL = "L2"
 """The level the model is wrapped with first (installs zoomem's forwards and every compact implementation)."""
 _MODES = {"lossless": "lossless `wrap(budget=...)`", "alone": "compression alone (cheapest fitting level)",
@@ -1417,21 +1417,20 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
             planned(m, lambda: zoomem.plan(model, batch, frac, compress=compress, **common))
             if "min_budget_bytes" in m.info:
                 min_budget = m.info["min_budget_bytes"]
-        if mode == "combined" and args.matched:
-            _plan_below_others(methods, min_budget, baseline, planned,
-                               lambda b: zoomem.plan(model, batch, b, compress="auto", **common))
-        if min_budget is None:
-            continue
-        for attempt in range(2):  # the minimum feasible budget; a plan that measures over it names a higher one
-            m = _Method(f"{mode}@min", _MODES[mode], mode, model, optimizer, loss_fn,
-                        budget=f"min ({min_budget / baseline:.0%})", budget_frac=min_budget / baseline)
-            m.info["budget_bytes"] = min_budget
-            planned(m, lambda: zoomem.plan(model, batch, min_budget, compress=compress, **common))
-            if "min_budget_bytes" not in m.info:  # planned, or failed for another reason
-                break
-            if attempt == 0:
-                methods.remove(m)
-                min_budget = max(m.info["min_budget_bytes"], int(min_budget * 1.001) + 1)
+        if min_budget is not None:
+            for attempt in range(2):  # the minimum feasible budget; a plan that measures over it names a higher one
+                m = _Method(f"{mode}@min", _MODES[mode], mode, model, optimizer, loss_fn,
+                            budget=f"min ({min_budget / baseline:.0%})", budget_frac=min_budget / baseline)
+                m.info["budget_bytes"] = min_budget
+                planned(m, lambda: zoomem.plan(model, batch, min_budget, compress=compress, **common))
+                if "min_budget_bytes" not in m.info:  # planned, or failed for another reason
+                    break
+                if attempt == 0:
+                    methods.remove(m)
+                    min_budget = max(m.info["min_budget_bytes"], int(min_budget * 1.001) + 1)
+        if args.matched:
+            _plan_below_others(methods, mode, min_budget, baseline, planned,
+                               lambda b: zoomem.plan(model, batch, b, compress=compress, **common))
 
     # -- interleaved timing, then one metered step each --
     runnable = [m for m in methods if m.error is None]
@@ -1493,23 +1492,24 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
     return result
 
 
-def _plan_below_others(methods: list[_Method], min_budget: int | None, baseline: int,
+def _plan_below_others(methods: list[_Method], mode: str, min_budget: int | None, baseline: int,
                        planned: Callable[[_Method, Callable[[], Any]], _Method], plan: Callable[[int], Any]) -> None:
-    """The combined mode at budgets just below the predicted peak of each lossy level and each lossless plan (by
-    :data:`MATCHED_GAP` of PyTorch's peak, beyond the verdict's margin): that plan fits a little above, so the
-    program answers whether bits and recomputation together get lower at no more time. Lowest first; a budget
-    within the margin of a combined plan already made, or below a known combined minimum, is left out."""
+    """``mode`` (lossless or combined) at budgets just below the predicted peak of each lossy level and each lossless
+    plan made at a fraction or the minimum (by :data:`MATCHED_GAP` of PyTorch's peak, beyond the verdict's margin):
+    that plan fits a little above, so the program answers whether it gets lower at no more time. Both modes get the
+    same anchors. Lowest first; a budget within the margin of a plan of this mode already made, or below its known
+    minimum, is left out."""
     gap, margin = int(MATCHED_GAP * baseline), COMBINED_MARGIN * baseline
-    taken = [m.info["budget_bytes"] for m in methods if m.kind == "combined" and m.plan is not None]
-    others = [m for m in methods if m.plan is not None and (
-        m.kind == "lossless" or (m.kind == "level" and m.info.get("lossy_tensors")))]
-    for other in sorted(others, key=lambda m: m.plan.predicted_peak_bytes):
-        budget = int(other.plan.predicted_peak_bytes) - gap
+    taken = [m.info["budget_bytes"] for m in methods if m.kind == mode and m.plan is not None]
+    anchors = [m for m in methods if m.plan is not None and (
+        (m.kind == "lossless" and "@<" not in m.key) or (m.kind == "level" and m.info.get("lossy_tensors")))]
+    for anchor in sorted(anchors, key=lambda m: m.plan.predicted_peak_bytes):
+        budget = int(anchor.plan.predicted_peak_bytes) - gap
         if (min_budget is not None and budget < min_budget) or any(abs(budget - b) < margin for b in taken):
             continue
-        name = other.key.replace("@", " ")
-        m = _Method(f"combined@<{name}", _MODES["combined"], "combined", other.model, other.optimizer,
-                    other.loss_fn, budget=f"<{name} ({budget / baseline:.0%})", budget_frac=budget / baseline)
+        name = anchor.key.replace("@", " ")
+        m = _Method(f"{mode}@<{name}", _MODES[mode], mode, anchor.model, anchor.optimizer, anchor.loss_fn,
+                    budget=f"<{name} ({budget / baseline:.0%})", budget_frac=budget / baseline)
         m.info["budget_bytes"] = budget
         planned(m, lambda: plan(budget))
         if m.plan is not None:
@@ -1893,9 +1893,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
                 "budget_fractions": list(args.fractions),
                 "budget_of": "zoomem's float budget: a fraction of plain PyTorch's forward+backward peak as zoomem's "
                              "trace predicts it (optimizer state included)",
-                "matched_budgets": (f"the combined mode also at the predicted peak of each lossy level and "
+                "matched_budgets": (f"both budget modes also at the predicted peak of each lossy level and "
                                     f"lossless plan less {MATCHED_GAP:.2%} of plain PyTorch's (methods "
-                                    "combined@<LEVEL, combined@<lossless BUDGET)") if args.matched else None,
+                                    "MODE@<LEVEL, MODE@<lossless BUDGET)") if args.matched else None,
                 "planning": f"the model is wrapped once (zoomem.wrap(level={_WRAP_LEVEL!r}, batch=..., "
                             "sensitivity_interval=0)); every other level and budget is planned with zoomem.plan on the "
                             "wrapped model (its own trace and sensitivity probe each) and put in the wrap's plan cache "
@@ -2158,8 +2158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", nargs="+", type=float, metavar="F",
                    help=f"budgets, fractions of plain PyTorch's peak (default: {' '.join(map(str, COMPRESS_FRACTIONS))})")
     p.add_argument("--matched", action=argparse.BooleanOptionalAction, default=True,
-                   help="also plan the combined mode just below the predicted peak of each lossy level and lossless "
-                   "plan, so that each meets a combined plan at its own memory (default: %(default)s)")
+                   help="also plan both budget modes just below the predicted peak of each lossy level and lossless "
+                   "plan, so that each meets a plan of both modes at its own memory (default: %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per method (median; default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, untimed (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/compress.json", help="JSON output (default: %(default)s)")

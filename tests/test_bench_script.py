@@ -109,8 +109,8 @@ def test_bench_sweep_quick(tmp_path):
 
 
 def test_bench_compress_quick(tmp_path):
-    """`compress --quick` on the small GCN: every level and both budget modes (the combined one also just below the
-    levels' peaks), measured in one process; JSON, tables."""
+    """`compress --quick` on the small GCN: every level and both budget modes (also just below the levels' and the
+    lossless plans' peaks), measured in one process; JSON, tables."""
     out = tmp_path / "compress.json"
     levels = ["L0", "L1.1", "L1.2", "L2", "L2.2"]  # fixed and adaptive bits, the wrap's own level; ~1 s a level
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "compress", "--quick", "--models", "pyg/gcn",
@@ -139,11 +139,11 @@ def test_bench_compress_quick(tmp_path):
         for frac in (0.8, 0.5):
             key = f"{mode}@{frac:.0%}"
             assert (key in methods) != any(s["mode"] == mode and s["budget_frac"] == frac for s in r["skipped_budgets"])
-    below = {k[len("combined@<"):]: m for k, m in methods.items() if k.startswith("combined@<")}
-    assert below and data["settings"]["matched_budgets"]  # the combined mode just below a level's predicted peak
-    for other, m in below.items():  # a lossy level ("L1.1") or a lossless plan ("lossless 80%")
-        assert m["kind"] == "combined"
-        assert m["budget_bytes"] < methods[other.replace(" ", "@")]["predicted_peak_mib"] * MIB
+    below = {k: m for k, m in methods.items() if "@<" in k}  # both modes just below a level's or plan's peak
+    assert any(k.startswith("combined@<") for k in below) and data["settings"]["matched_budgets"]
+    for key, m in below.items():  # "combined@<L1.1", "lossless@<lossless 80%", ...
+        mode, anchor = key.split("@<")
+        assert m["kind"] == mode and m["budget_bytes"] < methods[anchor.replace(" ", "@")]["predicted_peak_mib"] * MIB
     for key, m in methods.items():
         if "error" in m:
             assert m["kind"] in ("lossless", "combined") and m["error"].startswith("infeasible"), m
@@ -181,8 +181,8 @@ def test_bench_compress_quick(tmp_path):
 
 
 def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
-    """`--matched` budget selection: one combined plan just below each lossy level and lossless plan, lowest first,
-    none within the verdict's margin of another, none below a combined minimum an infeasible one named."""
+    """`--matched` budget selection: one plan of the mode just below each lossy level and lossless plan, lowest
+    first, none within the verdict's margin of another of the mode, none below a minimum an infeasible one named."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -202,7 +202,8 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
 
     methods = [method("L0", "level", 1000, lossy=0), method("L1.1", "level", 500), method("L1.2", "level", 495),
                method("L2.2", "level", 470), method("lossless@min", "lossless", 520),
-               method("combined@50%", "combined", 508, budget_mib=510)]
+               method("combined@50%", "combined", 508, budget_mib=510),
+               method("lossless@<L2.2", "lossless", 300)]  # itself matched: no anchor
 
     def planned(m, make):
         try:
@@ -217,11 +218,11 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
             raise zoomem.InfeasibleBudgetError("too low", min_budget=465 * MIB)
         return SimpleNamespace(predicted_peak_bytes=budget)
 
-    bench._plan_below_others(methods, None, baseline, planned, plan)
-    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[6:]}
+    bench._plan_below_others(methods, "combined", None, baseline, planned, plan)
+    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[7:]}
     # L2.2's budget (457.5) is infeasible; L1.1's lies within 10 MiB of L1.2's, lossless@min's of combined@50%'s
     assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5}
-    assert methods[6].plan is None and methods[7].plan is not None
+    assert methods[7].plan is None and methods[8].plan is not None
 
 
 def test_bench_accuracy_quick(tmp_path):
