@@ -180,18 +180,53 @@ def test_bench_compress_quick(tmp_path):
         assert g["met"] == (g["ratio"] >= g["target"])
 
 
+def _bench_module():
+    """``scripts/bench.py`` imported as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    name = "zoomem_bench_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "bench.py")
+        bench = importlib.util.module_from_spec(spec)
+        sys.modules[name] = bench  # its dataclasses look their module up
+        spec.loader.exec_module(bench)
+    return sys.modules[name]
+
+
+def test_a_combined_plan_storing_nothing_lossily_cannot_beat_lossless_planning():
+    """The verdict's pools: a combined plan with no lossy tensor is a lossless plan, so the same plan timed a little
+    faster under its combined name is a tie with lossless planning, not a win; one that compresses can win."""
+    bench = _bench_module()
+
+    def row(method, kind, peak, overhead, lossy=0):
+        return {"method": method, "kind": kind, "fwd_bwd_peak_mib": peak, "overhead": overhead,
+                "lossy_tensors": lossy, "budget_bytes": int(peak * MIB), "recomputed": 0, "recomputed_cheap": 0,
+                "units": 4, "predicted_peak_mib": peak, "verified_peak_mib": peak}
+
+    def result(*extra):
+        return {"pytorch_peak_mib": 1000.0, "skipped_budgets": [], "methods": [
+            row("pytorch", "pytorch", 1000, 1.0), row("L2.2", "level", 500, 1.8, lossy=9),
+            row("lossless@90%", "lossless", 640, 1.14), *extra]}
+
+    same_plan = bench.compare_modes(result(row("combined@90%", "combined", 640, 1.09)))
+    cap = {c["cap"]: c for c in same_plan["caps"]}
+    assert cap[1.1]["lossless"]["method"] == "combined@90%" and cap[1.1]["verdict"] == "tie"
+    assert cap[None]["verdict"] == "higher" and same_plan["caps_where_combined_lower"] == []
+
+    compressing = bench.compare_modes(result(row("combined@90%", "combined", 600, 1.09, lossy=3)))
+    cap = {c["cap"]: c for c in compressing["caps"]}
+    assert cap[1.1]["lossless"]["method"] == "pytorch" and cap[1.1]["verdict"] == "lower"
+    assert compressing["caps_where_combined_lower"] == [1.1, 1.25, 1.5]
+
+
 def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
     """`--matched` budget selection: one plan of the mode just below each lossy level and lossless plan, lowest
     first, none within the verdict's margin of another of the mode, none below a minimum an infeasible one named."""
-    import importlib.util
     from types import SimpleNamespace
 
     import zoomem
 
-    spec = importlib.util.spec_from_file_location("zoomem_bench_script", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
     baseline = 1000 * MIB  # margin 10 MiB, gap 12.5 MiB
 
     def method(key, kind, predicted_mib, lossy=1, budget_mib=None):
