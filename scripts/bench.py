@@ -1568,7 +1568,8 @@ def compare_modes(r: dict[str, Any]) -> dict[str, Any]:
                 out[mode] = {**_point(m), "fits": m["fwd_bwd_peak_mib"] * MIB <= budget,
                              "lossy_tensors": m["lossy_tensors"], "recomputed": m["recomputed"] + m["recomputed_cheap"],
                              "units": m["units"], "predicted_peak_mib": m["predicted_peak_mib"],
-                             "verified_peak_mib": m["verified_peak_mib"]}
+                             "verified_peak_mib": m["verified_peak_mib"],
+                             "predicted_overhead": m.get("predicted_overhead")}
         out["alone"] = _point(fitting_level(budget))
         budgets.append(out)
     margin = COMBINED_MARGIN * r["pytorch_peak_mib"]
@@ -1640,8 +1641,8 @@ def _ratio(v: float) -> str:
 
 def levels_table(r: dict[str, Any], markdown: bool) -> str:
     heads = ["level", "lossy tensors", "lossy MiB (avg bits)", "activations MiB", "activation ratio",
-             "measured peak MiB", "predicted peak MiB", "% of PyTorch", "overhead x", "fastest x", "plan s",
-             "predicted rel. variance"]
+             "measured peak MiB", "predicted peak MiB", "% of PyTorch", "overhead x", "predicted x", "fastest x",
+             "plan s", "predicted rel. variance"]
     cells = []
     for m in r["methods"]:
         if m["kind"] not in ("pytorch", "level"):
@@ -1650,9 +1651,10 @@ def levels_table(r: dict[str, Any], markdown: bool) -> str:
             cells.append([m["label"], m["error"]] + [""] * (len(heads) - 2))
             continue
         if m["kind"] == "pytorch":
-            lossy, mib, var, plan_s, pred = "—", "—", "—", "—", "—"
+            lossy, mib, var, plan_s, pred, pred_x = "—", "—", "—", "—", "—", "—"
         else:
             pred = _mib(m["predicted_peak_mib"])
+            pred_x = "—" if m.get("predicted_overhead") is None else _fmt_overhead(m["predicted_overhead"])
             lossy = f"{m['lossy_tensors']} of {m['saved_tensors']}"
             mib = f"{_mib(m['lossy_mib'])} of {_mib(m['saved_mib'])}" + (
                 f" ({m['avg_bits']:.2f})" if m["avg_bits"] is not None else "")
@@ -1660,7 +1662,7 @@ def levels_table(r: dict[str, Any], markdown: bool) -> str:
             plan_s = f"{m['plan_s']:.1f}"
         cells.append([m["label"], lossy, mib, _mib(m["activation_mib"]), _ratio(m["activation_ratio"]),
                       _mib(m["fwd_bwd_peak_mib"]), pred, f"{m['pct_of_pytorch']:.0f}%", _fmt_overhead(m["overhead"]),
-                      _fmt_overhead(m["overhead_of_fastest"]), plan_s, var])
+                      pred_x, _fmt_overhead(m["overhead_of_fastest"]), plan_s, var])
     return _grid(heads, cells, markdown, left=3)
 
 
@@ -1675,8 +1677,8 @@ def _cell(p: dict[str, Any] | None, with_method: bool = False) -> tuple[str, str
 
 def budgets_table(r: dict[str, Any], markdown: bool) -> str:
     heads = ["budget", "budget MiB", "lossless peak MiB", "lossless x", "compression alone: level, peak MiB",
-             "alone x", "combined peak MiB", "combined x", "lossless: recomputed units", "combined: lossy tensors, "
-             "recomputed units", "combined: predicted / zoomem-verified MiB"]
+             "alone x", "combined peak MiB", "combined x (predicted)", "lossless: recomputed units",
+             "combined: lossy tensors, recomputed units", "combined: predicted / zoomem-verified MiB"]
 
     def what(p: dict[str, Any] | None, lossy: bool) -> str:
         if p is None or "error" in p:
@@ -1694,6 +1696,9 @@ def budgets_table(r: dict[str, Any], markdown: bool) -> str:
         lp, lx = _cell(b["lossless"])
         ap, ax = _cell(b["alone"], with_method=True) if b["alone"] else ("no level fits", "")
         cp, cx = _cell(b["combined"])
+        predicted_x = (b["combined"] or {}).get("predicted_overhead")
+        if cx and predicted_x is not None:
+            cx += f" ({_fmt_overhead(predicted_x)})"
         cells.append([b["budget"], _mib(b["budget_mib"]), lp, lx, ap, ax, cp, cx, what(b["lossless"], False),
                       what(b["combined"], True), check(b["combined"])])
     return _grid(heads, cells, markdown, left=1)

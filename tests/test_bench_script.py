@@ -119,6 +119,7 @@ def test_bench_compress_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| plain PyTorch | — |" in proc.stdout and "| L2.2 (adaptive, 2 bits avg) |" in proc.stdout
     assert "L2.2: activations >= 8x smaller" in proc.stdout and "| any |" in proc.stdout
+    assert "| overhead x | predicted x |" in proc.stdout and "| combined x (predicted) |" in proc.stdout
 
     data = json.loads(out.read_text())
     assert data["benchmark"] == "compress" and data["settings"]["quick"] is True
