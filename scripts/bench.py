@@ -1654,7 +1654,7 @@ def levels_table(r: dict[str, Any], markdown: bool) -> str:
             lossy, mib, var, plan_s, pred, pred_x = "—", "—", "—", "—", "—", "—"
         else:
             pred = _mib(m["predicted_peak_mib"])
-            pred_x = "—" if m.get("predicted_overhead") is None else _fmt_overhead(m["predicted_overhead"])
+            pred_x = _fmt_overhead(m.get("predicted_overhead"))
             lossy = f"{m['lossy_tensors']} of {m['saved_tensors']}"
             mib = f"{_mib(m['lossy_mib'])} of {_mib(m['saved_mib'])}" + (
                 f" ({m['avg_bits']:.2f})" if m["avg_bits"] is not None else "")
