@@ -3,9 +3,10 @@
 A floating tensor is cut into groups of ``group_size`` contiguous elements: along each row (rows follow the batch
 dimension) when a row holds at least one group, else along the flattened tensor. Each group keeps its minimum
 and its step ``(max - min) / (2**bits - 1)`` in fp32 (never fp16: tiny ranges would underflow, wide ones
-overflow), and every value becomes ``floor((x - min) / step + u)`` with ``u ~ U[0, 1)``: stochastic rounding,
-so the dequantized tensor is an unbiased estimate of ``x`` whose per-element variance is at most ``step**2 / 4``.
-Values are packed ``8 // bits`` to a byte. A group whose values are all equal comes back exactly.
+overflow), and every value becomes ``floor((x - min) / step + u)`` with ``u`` uniform in (0, 1): stochastic
+rounding, so the dequantized tensor is an unbiased estimate of ``x`` (up to ``step / 2**17``: ``u`` has 16 random
+bits, see :func:`_uniform`) whose per-element variance is at most ``step**2 / 4``. Values are packed ``8 // bits``
+to a byte, plane by plane (:func:`_pack`). A group whose values are all equal comes back exactly.
 
 The work runs in chunks of groups so that its fp32 temporaries stay small next to the activation itself, and it
 is plain vectorised PyTorch: ``torch.compile`` fuses :func:`_quantize_rows` (see ``tests/test_quantize.py``). On
@@ -79,25 +80,36 @@ def scratch_nbytes(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, bits
     the planner adds them where a lossy tensor is packed (its segment's forward) and unpacked (its backward).
 
     Per chunk of groups (``_CHUNK_ELEMS`` values at most) quantizing holds the fp32 noise, the fp32 scaled values
-    and the uint8 codes (9 bytes a value; 4 more when the input is not fp32, for its fp32 copy), the packed chunks
-    until they are joined (the packed size again), and first the padded copy of the whole tensor where its rows
-    are not a whole number of groups; dequantizing holds the unpacked codes and their fp32 values, two chunks'
-    worth once there is more than one (5 and 9 bytes a value). Measured with :class:`~zoomem.MemoryMeter` on fp32
-    tensors of 256 K, 1 M and 4 M values at 2 bits: 2.20, 2.45 and 2.45 MiB beyond the result quantizing (these
-    give 2.32, 2.53, 3.38), 1.25, 2.25 and 2.25 dequantizing (1.25, 2.25, 2.25). ``fused`` (the Triton kernels):
-    nothing beyond the result.
+    and the codes (9 bytes a value; 2 more at 8 bits, whose codes pass through int16; 4 more when the input is not
+    fp32, for its fp32 copy) and the chunk's group statistics, beside the chunks packed so far; joining these
+    holds the packed size once more. So beyond the result: the larger of a chunk's scratch less one packed chunk,
+    and the packed size. First comes the padded copy of the whole tensor where its rows are not a whole number of
+    groups. Dequantizing holds one block's unpacked codes (none at 8 bits) and their fp32 values (5 bytes a value, 4
+    at 8 bits): a chunk of groups, or for rows that end in padding as many whole rows as a chunk holds, or a chunk
+    of one row's groups. Measured with :class:`~zoomem.MemoryMeter` (``tests/test_quantize.py``): exact on flat
+    fp32 and bf16 tensors of 256 K, 1 M and 4 M values at every width (2.20 MiB beyond
+    the result quantizing at 2 bits, 2.51 at 8 bits, 4.12 for 4 M values at 8 bits where joining the packed
+    chunks is the peak; 1.25 dequantizing), and up to 0.15 MiB high on padded rows. ``fused`` (the Triton
+    kernels): nothing beyond the result.
     """
     if fused:
         return 0, 0
     rows, per_row, groups = group_layout(shape, group_size)
     numel = math.prod(shape)
     chunk_groups = max(1, _CHUNK_ELEMS // group_size)
+    chunks = -(-groups // chunk_groups)
     elems = min(groups, chunk_groups) * group_size
     itemsize = torch.empty((), dtype=dtype).element_size()
     padded = groups * group_size
     pad_copy = padded * itemsize if padded != numel else 0
-    quant = pad_copy + elems * (9 if dtype == torch.float32 else 13) + quantized_nbytes(shape, bits, group_size)
-    dequant = elems * (5 if groups <= chunk_groups else 9)
+    per_value = 9 + (2 if bits == 8 else 0) + (0 if dtype == torch.float32 else 4)
+    packed = quantized_nbytes(shape, bits, group_size)
+    stats = min(groups, chunk_groups) * 16  # lo, hi, step and its safe copy, fp32 per group
+    quant = pad_copy + max(elems * per_value + stats - packed // max(chunks, 1), packed)
+    if per_row and (numel // rows) % group_size:  # padded rows: dequantize's blocks
+        rows_at_once, span = _block(shape, per_row, group_size)
+        elems = rows_at_once * span * group_size
+    dequant = elems * (4 if bits == 8 else 5)
     return quant, dequant
 
 
@@ -111,6 +123,18 @@ def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     return flat.reshape(groups, group_size), per_row
 
 
+def _uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """Rounding noise in (0, 1): 16 random bits a value, on the centres of a 2**-16 grid.
+
+    One 64-bit draw gives four values: on CPU ``torch.rand`` draws (and converts) once per value, which took two
+    thirds of quantizing. A grid of 2**16 cells moves the chance of rounding up by at most 2**-17, so the bias of
+    a dequantized value is at most ``step / 2**17`` (far below its standard deviation, up to ``step / 2``).
+    """
+    n = math.prod(shape)
+    draws = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(1 << 63), None, generator=generator)
+    return draws.view(torch.int16)[:n].float().add_(32768.5).mul_(2.0**-16).view(shape)
+
+
 def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize (groups, group_size) values with uniform ``noise``: codes (uint8, unpacked), lo, step."""
     xf = x.float()
@@ -120,26 +144,43 @@ def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[tor
     step = hi / levels - lo / levels  # no overflow of hi - lo near the fp32 limit
     # divide (not multiply by 1/step: denormal steps); a constant group has x - lo == 0 and step 1 here: code 0
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    scaled = xf - lo[:, None]  # one fp32 temporary, then in place
-    codes = scaled.div_(safe[:, None]).add_(noise).floor_().clamp_(0, levels).to(torch.uint8)
+    scaled = xf - lo[:, None]  # one fp32 temporary, then in place; >= 0, so the integer cast is the floor
+    scaled.div_(safe[:, None]).add_(noise).clamp_(0, levels)
+    # a cast to int8 runs vectorised on CPU, one to uint8 does not (4x slower): int8 holds codes below 128, and
+    # 8-bit codes pass through int16 (2 bytes a value more scratch, see scratch_nbytes)
+    codes = scaled.to(torch.int8).view(torch.uint8) if bits < 8 else scaled.to(torch.int16).to(torch.uint8)
     return codes, lo, step
 
 
+def _words(planes: torch.Tensor) -> torch.Tensor:
+    """``planes`` (uint8, planes last) seen as 64-bit words where each plane's length allows: a shift or mask then
+    moves eight codes at once (no code leaves its byte: each is below ``2**bits`` and moves at most ``8 - bits``)."""
+    return planes.view(torch.int64) if planes.shape[-1] % 8 == 0 else planes
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack each group's codes plane by plane: byte ``k`` holds values ``k, k + n, k + 2n, ...`` (``n`` bytes a
+    group), lowest bits first. Plane-wise word operations on contiguous slices: interleaving neighbours into a
+    byte, a reduction over a tiny dimension, was four to ten times slower on CPU."""
     if bits == 8:
         return codes
-    per = 8 // bits
-    c = codes.reshape(codes.shape[0], -1, per)
-    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    return (c << shifts).sum(dim=2, dtype=torch.uint8)
+    planes = _words(codes.view(codes.shape[0], 8 // bits, -1))
+    packed = planes[:, 0].clone()
+    for p in range(1, 8 // bits):
+        packed |= planes[:, p] << (p * bits)
+    return packed.view(torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes :func:`_pack` packed, as (groups, group_size) uint8."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-    mask = (1 << bits) - 1
-    return ((packed[..., None] >> shifts) & mask).reshape(packed.shape[0], -1)
+    words = _words(packed)
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
+    codes = torch.empty(words.shape[0], 8 // bits, words.shape[1], dtype=words.dtype, device=words.device)
+    for p in range(8 // bits):
+        torch.bitwise_and(words >> (p * bits), mask, out=codes[:, p])
+    return codes.view(torch.uint8).view(packed.shape[0], -1)
 
 
 def quantize(
@@ -174,11 +215,13 @@ def quantize(
     codes, los, steps = [], [], []
     for start in range(0, grouped.shape[0], chunk):
         part = grouped[start:start + chunk]
-        noise = torch.rand(part.shape, device=x.device, dtype=torch.float32, generator=generator)
-        c, lo, step = _quantize_rows(part, noise, bits)
+        # the noise lives only through this call, the codes only through this pass: nothing of one chunk's
+        # scratch is alive while the next chunk draws its noise (see scratch_nbytes)
+        c, lo, step = _quantize_rows(part, _uniform(part.shape, x.device, generator), bits)
         codes.append(_pack(c, bits))
         los.append(lo)
         steps.append(step)
+        del c
     if not codes:  # an empty tensor: no groups
         codes = [torch.empty(0, group_size * bits // 8, dtype=torch.uint8, device=x.device)]
         los = steps = [torch.empty(0, dtype=torch.float32, device=x.device)]
@@ -188,28 +231,45 @@ def quantize(
     return Quantized(torch.cat(codes), lo, step, x.shape, x.dtype, bits, per_row, group_size)
 
 
+def _block(shape: torch.Size | tuple[int, ...], row_groups: int, group_size: int) -> tuple[int, int]:
+    """(rows, groups of a row) :func:`dequantize` unpacks at once for padded rows: whole rows while a chunk holds
+    one, else a chunk of one row's groups."""
+    chunk = max(1, _CHUNK_ELEMS // group_size)
+    return (min(shape[0], chunk // row_groups), row_groups) if row_groups <= chunk else (1, chunk)
+
+
+def _values(q: Quantized, g0: int, g1: int) -> torch.Tensor:
+    """The fp32 values of groups ``g0 .. g1 - 1``, (groups, group_size)."""
+    return _unpack(q.codes[g0:g1], q.bits).float().mul_(q.step[g0:g1, None]).add_(q.lo[g0:g1, None])
+
+
 def dequantize(q: Quantized) -> torch.Tensor:
     """The tensor a :class:`Quantized` form stands for (same shape, dtype and device as the codes' tensor)."""
     if use_triton(q.codes, q.group_size):
         return triton_dequantize(q)
-    chunk = max(1, _CHUNK_ELEMS // q.group_size)
     numel = math.prod(q.shape)
     out = torch.empty(numel, dtype=q.dtype, device=q.codes.device)
-    if q.row_groups:  # row-grouped: each row's padding sits at its end
-        rows = q.shape[0]
-        row_len = numel // rows
-        view = out.view(rows, row_len)
-        for r0 in range(0, rows, max(1, chunk // q.row_groups)):
-            r1 = min(rows, r0 + max(1, chunk // q.row_groups))
-            g0, g1 = r0 * q.row_groups, r1 * q.row_groups
-            vals = _unpack(q.codes[g0:g1], q.bits).float().mul_(q.step[g0:g1, None]).add_(q.lo[g0:g1, None])
-            view[r0:r1] = vals.reshape(r1 - r0, -1)[:, :row_len]
-    else:
+    g, per_row = q.group_size, q.row_groups
+    row_len = numel // q.shape[0] if per_row else numel
+    if per_row and row_len % g:  # padded rows: each row's padding sits at its end
+        rows_at_once, span = _block(q.shape, per_row, g)
+        view = out.view(q.shape[0], row_len)
+        for r0 in range(0, q.shape[0], rows_at_once):
+            r1 = min(q.shape[0], r0 + rows_at_once)
+            for c0 in range(0, per_row, span):  # one pass unless a row is longer than a chunk
+                c1 = min(per_row, c0 + span)
+                n = min(row_len, c1 * g) - c0 * g
+                vals = _values(q, r0 * per_row + c0, (r1 - 1) * per_row + c1)  # contiguous groups
+                view[r0:r1, c0 * g:c0 * g + n] = vals.view(r1 - r0, -1)[:, :n]
+                del vals  # one block's values at a time (scratch_nbytes)
+    else:  # grouped flat, or rows that are whole groups: the same layout
+        chunk = max(1, _CHUNK_ELEMS // g)
         for g0 in range(0, q.codes.shape[0], chunk):
             g1 = min(q.codes.shape[0], g0 + chunk)
-            vals = _unpack(q.codes[g0:g1], q.bits).float().mul_(q.step[g0:g1, None]).add_(q.lo[g0:g1, None])
-            n = min(numel, g1 * q.group_size) - g0 * q.group_size
-            out[g0 * q.group_size:g0 * q.group_size + n] = vals.reshape(-1)[:n]
+            n = min(numel, g1 * g) - g0 * g
+            vals = _values(q, g0, g1)
+            out[g0 * g:g0 * g + n] = vals.view(-1)[:n]
+            del vals
     return out.view(q.shape)
 
 

@@ -74,7 +74,7 @@ def _kernels() -> tuple[Any, Any]:
         code = tl.minimum(tl.maximum(code, 0.0), levels).to(tl.int32)
         PER: tl.constexpr = 8 // BITS
         shifts = tl.arange(0, PER) * BITS
-        packed = tl.sum(tl.reshape(code, (G // PER, PER)) << shifts[None, :], axis=1)
+        packed = tl.sum(tl.reshape(code, (PER, G // PER)) << shifts[:, None], axis=0)  # plane by plane
         tl.store(codes_ptr + g * (G // PER) + tl.arange(0, G // PER), packed.to(tl.uint8))
         tl.store(lo_ptr + g, lo)
         tl.store(step_ptr + g, step)
@@ -86,7 +86,7 @@ def _kernels() -> tuple[Any, Any]:
         PER: tl.constexpr = 8 // BITS
         packed = tl.load(codes_ptr + g * (G // PER) + tl.arange(0, G // PER)).to(tl.int32)
         shifts = tl.arange(0, PER) * BITS
-        code = tl.reshape((packed[:, None] >> shifts[None, :]) & ((1 << BITS) - 1), (G,))
+        code = tl.reshape((packed[None, :] >> shifts[:, None]) & ((1 << BITS) - 1), (G,))
         vals = code.to(tl.float32) * tl.load(step_ptr + g) + tl.load(lo_ptr + g)
         i = tl.arange(0, G).to(tl.int64)
         if ROW:
