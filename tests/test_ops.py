@@ -199,12 +199,15 @@ def test_impl_matches_stock_bf16(case: Case) -> None:
 # packbits
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001, 4096])
 def test_pack_bool_roundtrip(n: int) -> None:
     m = torch.rand(n) > 0.4
     packed, shape = pack_bool(m)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n) == (n + 7) // 8
     assert torch.equal(unpack_bool(packed, shape), m)
+    # plane by plane: bit p of byte k holds element p * bytes + k (4096: whole 64-bit words; the others: bytes)
+    planes = torch.cat([m, m.new_zeros(8 * packed.numel() - n)]).view(8, packed.numel()).to(torch.uint8)
+    assert torch.equal(packed.int(), sum(planes[p].int() << p for p in range(8)))
     m3 = (torch.rand(3, 5, 7) > 0.5).transpose(0, 2)  # non-contiguous: logical order
     assert torch.equal(unpack_bool(*pack_bool(m3)), m3)
     assert narrowest_uint(255) == torch.uint8 and narrowest_uint(256) == torch.int16

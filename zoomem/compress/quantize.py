@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.packbits import as_words
 from .triton_kernels import triton_dequantize, triton_quantize, use_triton
 
 __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantized_nbytes", "group_layout",
@@ -152,19 +153,13 @@ def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[tor
     return codes, lo, step
 
 
-def _words(planes: torch.Tensor) -> torch.Tensor:
-    """``planes`` (uint8, planes last) seen as 64-bit words where each plane's length allows: a shift or mask then
-    moves eight codes at once (no code leaves its byte: each is below ``2**bits`` and moves at most ``8 - bits``)."""
-    return planes.view(torch.int64) if planes.shape[-1] % 8 == 0 else planes
-
-
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack each group's codes plane by plane: byte ``k`` holds values ``k, k + n, k + 2n, ...`` (``n`` bytes a
     group), lowest bits first. Plane-wise word operations on contiguous slices: interleaving neighbours into a
     byte, a reduction over a tiny dimension, was four to ten times slower on CPU."""
     if bits == 8:
         return codes
-    planes = _words(codes.view(codes.shape[0], 8 // bits, -1))
+    planes = as_words(codes.view(codes.shape[0], 8 // bits, -1))
     packed = planes[:, 0].clone()
     for p in range(1, 8 // bits):
         packed |= planes[:, p] << (p * bits)
@@ -175,7 +170,7 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The codes :func:`_pack` packed, as (groups, group_size) uint8."""
     if bits == 8:
         return packed
-    words = _words(packed)
+    words = as_words(packed)
     mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
     codes = torch.empty(words.shape[0], 8 // bits, words.shape[1], dtype=words.dtype, device=words.device)
     for p in range(8 // bits):
