@@ -13,10 +13,11 @@ True
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["as_words", "pack_bool", "unpack_bool", "packed_nbytes", "narrowest_uint", "to_narrow_uint"]
+__all__ = ["as_words", "bool_planes", "pack_bool", "unpack_bool", "packed_nbytes", "narrowest_uint", "to_narrow_uint"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +62,31 @@ def pack_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     return packed.view(torch.uint8), shape
 
 
-def unpack_bool(packed: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`pack_bool`: a contiguous ``torch.bool`` tensor of ``shape`` on ``packed``'s device."""
+def unpack_bool(packed: torch.Tensor, shape: torch.Size | tuple[int, ...],
+                dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """Inverse of :func:`pack_bool`: a contiguous tensor of ``shape`` on ``packed``'s device, ``torch.bool`` or
+    0 / 1 in ``dtype`` (converted from the unpacked bytes, which is faster than from a bool tensor)."""
     shape = torch.Size(shape)
     words = as_words(packed)
     ones = int.from_bytes(b"\x01" * words.element_size(), "little")
     bits = torch.empty(8, words.numel(), dtype=words.dtype, device=packed.device)
     for p in range(8):
         torch.bitwise_and(words >> p, ones, out=bits[p])
-    return bits.view(torch.uint8).view(-1)[:shape.numel()].view(torch.bool).view(shape)
+    flat = bits.view(torch.uint8).view(-1)[:shape.numel()]
+    return (flat.view(torch.bool) if dtype == torch.bool else flat.to(dtype)).view(shape)
+
+
+def bool_planes(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+    """The mask :func:`pack_bool` packed, one plane at a time: ``(start, values)``, ``values`` the flat mask's
+    elements ``start, start + 1, ...`` as 0 / 1 in ``dtype``. A caller applying the mask holds an eighth of it at a
+    time (``numel``: the mask's element count)."""
+    words = as_words(packed)
+    ones = int.from_bytes(b"\x01" * words.element_size(), "little")
+    m = packed.numel()
+    for p in range(8):
+        if p * m >= numel:
+            return
+        yield p * m, ((words >> p) & ones).view(torch.uint8)[:min(m, numel - p * m)].to(dtype)
 
 
 def packed_nbytes(numel: int) -> int:
