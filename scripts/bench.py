@@ -45,6 +45,13 @@ feasibility figure, not an overhead measure).
     python scripts/bench.py accuracy [--quick] [--tasks digits text graph] [--seeds 0 1 2 3 4] [--levels L2 L1.2]
         [--out benchmarks/accuracy.json] [--markdown]
 
+- ``quantizer``: the quantizer's speed, ns per byte of fp32 to quantize and dequantize tensors shaped like the
+  ``compress`` models' activations, per width, beside the planner's probe (``seconds_per_byte``); ``--against REV``
+  loads ``zoomem/compress/quantize.py`` of a git revision and alternates it with this checkout's in one process.
+
+    python scripts/bench.py quantizer [--quick] [--bits 1 2 4 8] [--against REV] [--out benchmarks/quantizer.json]
+        [--markdown]
+
 - ``scale``: planning a batch from traces of smaller ones (``trace_batch_size``, what zoomem does when a plain step
   at the batch runs out of memory), per model (:data:`SCALE_SIZES`): the cost model traced at the batch against
   the one extrapolated from traces at a quarter and a half of it (``--trace-fraction``), compared on the peaks they predict for
@@ -2090,6 +2097,109 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
+# -- quantizer ---------------------------------------------------------------------------------------------------
+
+QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {
+    "flat 4 MiB (the planner's probe)": (1 << 20,),
+    "ViT-Tiny b8 block activation": (8, 197, 192),
+    "ViT-Tiny b8 MLP hidden": (8, 197, 768),
+    "ResNet-50 b4 layer1": (4, 256, 56, 56),
+    "ResNet-50 b4 stem": (4, 64, 112, 112),
+    "BERT b2 seq 512 hidden": (2, 512, 768),
+    "GNN 20k nodes x 64": (20_000, 64),
+}
+QUICK_QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {"flat 256 K": (1 << 16,), "rows with padding": (4, 3, 100)}
+
+
+def _quantizer_module(rev: str) -> Any:
+    """``zoomem/compress/quantize.py`` as it was at git revision ``rev``, imported on its own (its relative
+    imports point at this checkout's package), to time it beside this checkout's in one process."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:zoomem/compress/quantize.py"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout
+    source = source.replace("from ..", "from zoomem.").replace("from .", "from zoomem.compress.")
+    path = Path(tempfile.mkdtemp()) / f"quantize_{rev}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"zoomem_quantize_{rev}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def cmd_quantizer(args: argparse.Namespace) -> int:
+    """Seconds per byte of fp32 to quantize and dequantize typical activations, per width (and against an older
+    revision's quantizer, interleaved in the same process), beside the planner's probe (``seconds_per_byte``)."""
+    import importlib
+    import subprocess
+
+    import torch
+
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        print(quantizer_table(data, args.markdown))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    current = importlib.import_module("zoomem.compress.quantize")
+    try:
+        old = _quantizer_module(args.against) if args.against else None
+    except subprocess.CalledProcessError as e:
+        print(f"cannot read zoomem/compress/quantize.py at {args.against!r}: {e.stderr.strip()}", file=sys.stderr)
+        return 2
+    command = "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv)
+    git_info = _git_info()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(args.seed)
+    modules = {"current": current, **({args.against: old} if old else {})}
+    rows = []
+    for name, shape in (QUICK_QUANTIZER_SHAPES if args.quick else QUANTIZER_SHAPES).items():
+        x = torch.randn(shape, generator=gen)
+        for bits in args.bits:
+            times: dict[str, list[float]] = {k: [] for k in modules}
+            for i in range(args.warmup + args.repeats):
+                for k in (list(modules) if i % 2 == 0 else list(modules)[::-1]):  # interleaved, order alternating
+                    m = modules[k]
+                    start = time.perf_counter()
+                    m.dequantize(m.quantize(x, bits, generator=gen))
+                    if i >= args.warmup:
+                        times[k].append(time.perf_counter() - start)
+            nbytes = x.numel() * 4
+            rows.append({"tensor": name, "shape": list(shape), "bits": bits,
+                         **{f"ns_per_byte_{k}": _median(v) / nbytes * 1e9 for k, v in times.items()}})
+    probe = {b: current.seconds_per_byte("cpu", b) * 1e9 for b in args.bits}
+    data = {**_result_head("quantizer", command, started, time.perf_counter() - t0, git_info),
+            "settings": {"repeats": args.repeats, "warmup": args.warmup, "against": args.against,
+                         "timing": "quantize then dequantize one fp32 tensor, median over repeats; with --against, "
+                                   "the two quantizers alternate within each repeat"},
+            "probe_ns_per_byte": probe, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(quantizer_table(data, args.markdown))
+    return 0
+
+
+def quantizer_table(data: dict[str, Any], markdown: bool) -> str:
+    against = data["settings"]["against"]
+    heads = ["tensor", "shape", "bits", "ns/B"] + ([f"ns/B at {against}", "speed-up"] if against else [])
+    cells = []
+    for r in data["rows"]:
+        row = [r["tensor"], "x".join(map(str, r["shape"])), str(r["bits"]), f"{r['ns_per_byte_current']:.2f}"]
+        if against:
+            row += [f"{r[f'ns_per_byte_{against}']:.2f}", f"{r[f'ns_per_byte_{against}'] / r['ns_per_byte_current']:.2f}x"]
+        cells.append(row)
+    probe = ", ".join(f"{b} bits {v:.2f}" for b, v in data["probe_ns_per_byte"].items())
+    return (f"{_machine_line(data['machine'])}\n{data['command']}\n\n" + _grid(heads, cells, markdown, left=3)
+            + f"\n\nThe planner's probe (seconds_per_byte, this checkout), ns/B: {probe}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -2231,6 +2341,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser(
+        "quantizer",
+        help="the quantizer's speed: ns per byte to quantize and dequantize typical activations, per width",
+        description="Quantize then dequantize fp32 tensors shaped like the compress models' activations, per bit "
+        "width, median of --repeats; with --against REV, the quantizer of that git revision alternates with this "
+        "checkout's in the same process. Prints the planner's probe (seconds_per_byte) beside them.",
+    )
+    p.add_argument("--quick", action="store_true", help="two small tensors (seconds; for tests)")
+    p.add_argument("--bits", nargs="+", type=int, default=[1, 2, 4, 8], choices=[1, 2, 4, 8],
+                   help="widths (default: %(default)s)")
+    p.add_argument("--against", metavar="REV", help="also time zoomem/compress/quantize.py of this git revision")
+    p.add_argument("--repeats", type=int, default=15, help="timed repeats (median; default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0: torch's choice (default: %(default)s, as compress)")
+    p.add_argument("--seed", type=int, default=0, help="noise and data seed (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/quantizer.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--render", metavar="JSON", help="print the table of a result JSON written before; run nothing")
+    p.set_defaults(func=cmd_quantizer)
 
     p = sub.add_parser("_solve")  # internal: one model of the solve-time section, in a child process
     p.add_argument("model", choices=list(SOLVE_SIZES))

@@ -294,6 +294,25 @@ def test_bench_scale_quick(tmp_path):
     assert plan["traced_at"] == [2, 4, 8] and plan["measured_mib"] <= plan["budget_mib"]
 
 
+def test_bench_quantizer_quick(tmp_path):
+    """The quantizer's speed per width, beside a git revision's quantizer loaded from git (HEAD here: a clean
+    clone has it) and the planner's probe; a revision git does not know is refused with a message."""
+    out = tmp_path / "q.json"
+    bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "quantizer", "--quick", "--repeats", "2"]
+    proc = subprocess.run([*bench, "--against", "HEAD", "--bits", "2", "8", "--out", str(out), "--markdown"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert [(r["tensor"], r["bits"]) for r in data["rows"]] == [
+        (t, b) for t in ("flat 256 K", "rows with padding") for b in (2, 8)]
+    assert all(r["ns_per_byte_current"] > 0 and r["ns_per_byte_HEAD"] > 0 for r in data["rows"])
+    assert set(data["probe_ns_per_byte"]) == {"2", "8"}
+    assert "| ns/B at HEAD | speed-up |" in proc.stdout and "planner's probe" in proc.stdout
+    bad = subprocess.run([*bench, "--against", "no-such-rev", "--out", str(tmp_path / "b.json")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no-such-rev" in bad.stderr and not (tmp_path / "b.json").exists()
+
+
 def test_point_errors_prints_every_point_of_a_level_plan():
     """`scripts/point_errors.py` prints the cost model's points predicted beside measured; a lossy level's peak on
     a one-layer BERT is predicted within 5% (the issue's bound), and every point has its measured value."""
