@@ -2111,25 +2111,44 @@ QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {
 QUICK_QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {"flat 256 K": (1 << 16,), "rows with padding": (4, 3, 100)}
 
 
-def _quantizer_module(rev: str) -> Any:
-    """``zoomem/compress/quantize.py`` as it was at git revision ``rev``, imported on its own (its relative
-    imports point at this checkout's package), to time it beside this checkout's in one process."""
-    import importlib.util
+def _git_show(rev: str, path: str) -> str:
+    """The text of ``path`` at git revision ``rev`` (``CalledProcessError`` if git does not know either)."""
     import subprocess
-    import tempfile
 
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{rev}:zoomem/compress/quantize.py"], cwd=root, capture_output=True,
-                            text=True, check=True).stdout
-    source = source.replace("from ..", "from zoomem.").replace("from .", "from zoomem.compress.")
-    path = Path(tempfile.mkdtemp()) / f"quantize_{rev}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"zoomem_quantize_{rev}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _import_source(source: str, name: str) -> Any:
+    """``source`` imported as module ``name``."""
+    import importlib.util
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # read once, while the module executes
+        file = Path(tmp) / f"{name}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
     return module
+
+
+def _quantizer_module(rev: str) -> Any:
+    """``zoomem/compress/quantize.py`` as it was at git revision ``rev``, with that revision's
+    ``zoomem/ops/packbits.py`` where it imports from it (its other relative imports point at this checkout's
+    package), to time it beside this checkout's in one process."""
+    import re
+
+    tag = re.sub(r"\W", "_", rev)
+    source = _git_show(rev, "zoomem/compress/quantize.py")
+    if "from ..ops.packbits" in source:
+        _import_source(_git_show(rev, "zoomem/ops/packbits.py"), f"zoomem_packbits_{tag}")
+        source = source.replace("from ..ops.packbits", f"from zoomem_packbits_{tag}")
+    source = source.replace("from ..", "from zoomem.").replace("from .", "from zoomem.compress.")
+    return _import_source(source, f"zoomem_quantize_{tag}")
 
 
 def cmd_quantizer(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.packbits import as_words
+from ..ops.packbits import pack_planes, unpack_planes
 from .triton_kernels import triton_dequantize, triton_quantize, use_triton
 
 __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantized_nbytes", "group_layout",
@@ -154,28 +154,14 @@ def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[tor
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack each group's codes plane by plane: byte ``k`` holds values ``k, k + n, k + 2n, ...`` (``n`` bytes a
-    group), lowest bits first. Plane-wise word operations on contiguous slices: interleaving neighbours into a
-    byte, a reduction over a tiny dimension, was four to ten times slower on CPU."""
-    if bits == 8:
-        return codes
-    planes = as_words(codes.view(codes.shape[0], 8 // bits, -1))
-    packed = planes[:, 0].clone()
-    for p in range(1, 8 // bits):
-        packed |= planes[:, p] << (p * bits)
-    return packed.view(torch.uint8)
+    """Pack each group's codes plane by plane (:func:`~zoomem.ops.packbits.pack_planes`): byte ``k`` holds values
+    ``k, k + n, k + 2n, ...`` (``n`` bytes a group), lowest bits first."""
+    return codes if bits == 8 else pack_planes(codes.view(codes.shape[0], 8 // bits, -1), bits)
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The codes :func:`_pack` packed, as (groups, group_size) uint8."""
-    if bits == 8:
-        return packed
-    words = as_words(packed)
-    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
-    codes = torch.empty(words.shape[0], 8 // bits, words.shape[1], dtype=words.dtype, device=words.device)
-    for p in range(8 // bits):
-        torch.bitwise_and(words >> (p * bits), mask, out=codes[:, p])
-    return codes.view(torch.uint8).view(packed.shape[0], -1)
+    return packed if bits == 8 else unpack_planes(packed, bits).view(packed.shape[0], -1)
 
 
 def quantize(

@@ -17,25 +17,54 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["as_words", "bool_planes", "pack_bool", "unpack_bool", "packed_nbytes", "narrowest_uint", "to_narrow_uint"]
+__all__ = ["bool_planes", "pack_bool", "pack_planes", "unpack_plane", "unpack_planes", "unpack_bool", "packed_nbytes",
+           "narrowest_uint", "to_narrow_uint"]
 
 logger = logging.getLogger(__name__)
 
 
-def as_words(planes: torch.Tensor) -> torch.Tensor:
+def _words(planes: torch.Tensor) -> torch.Tensor:
     """``planes`` (uint8, contiguous last dimension) seen as 64-bit words where its last dimension allows, else as
-    it is: a shift or mask on the words then moves eight bytes at once. Callers keep every value below ``2**b``
-    and shift by at most ``8 - b``, so nothing crosses into the next byte."""
+    it is: a shift or mask on the words then moves eight bytes at once. Every value is below ``2**bits`` and moves
+    by at most ``8 - bits``, so nothing crosses into the next byte."""
     return planes.view(torch.int64) if planes.shape[-1] % 8 == 0 and planes.numel() else planes
+
+
+def pack_planes(planes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``planes`` (uint8, ``(..., 8 // bits, n)``, every value below ``2**bits``) into ``(..., n)`` bytes: bits
+    ``p * bits`` on of byte ``k`` hold ``planes[..., p, k]``. Each plane is a contiguous run, shifted and or-ed as
+    64-bit words; interleaving neighbours into a byte (a sum over a dimension of ``8 // bits``) was 4-16x slower on
+    CPU. The layout of :func:`pack_bool` (``bits=1``) and of the quantizer's codes."""
+    words = _words(planes)
+    packed = words[..., 0, :].clone()
+    for p in range(1, 8 // bits):
+        packed |= words[..., p, :] << (p * bits)
+    return packed.view(torch.uint8)
+
+
+def unpack_plane(packed: torch.Tensor, bits: int, p: int) -> torch.Tensor:
+    """Plane ``p`` of :func:`pack_planes`' bytes ``packed``: ``(..., n)`` uint8 values below ``2**bits``."""
+    words = _words(packed)
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
+    return ((words >> (p * bits)) & mask).view(torch.uint8)
+
+
+def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: ``(..., 8 // bits, n)`` uint8."""
+    words = _words(packed)
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
+    planes = torch.empty(*words.shape[:-1], 8 // bits, words.shape[-1], dtype=words.dtype, device=packed.device)
+    for p in range(8 // bits):
+        torch.bitwise_and(words >> (p * bits), mask, out=planes[..., p, :])
+    return planes.view(torch.uint8)
 
 
 def pack_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     """Pack a boolean tensor into bytes, 8 elements per byte (1 bit each).
 
     The elements are taken in the tensor's logical (row-major) order, whatever its strides, and packed plane by
-    plane: with ``m = ceil(numel / 8)`` bytes, bit ``p`` of byte ``k`` holds element ``p * m + k``. Each plane is
-    a contiguous run, shifted and or-ed as 64-bit words; interleaving eight neighbours into a byte (a sum over a
-    dimension of 8) was several times slower on CPU.
+    plane (:func:`pack_planes`): with ``m = ceil(numel / 8)`` bytes, bit ``p`` of byte ``k`` holds element
+    ``p * m + k``.
 
     Args:
         mask: a ``torch.bool`` tensor of any shape and device (other dtypes are read as ``mask != 0``).
@@ -55,11 +84,7 @@ def pack_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     m = -(-n // 8)
     if 8 * m != n:
         flat = torch.cat([flat, flat.new_zeros(8 * m - n)])
-    planes = as_words(flat.view(torch.uint8).view(8, m))  # bool -> uint8 is a free reinterpretation (0/1 bytes)
-    packed = planes[0].clone()
-    for p in range(1, 8):
-        packed |= planes[p] << p
-    return packed.view(torch.uint8), shape
+    return pack_planes(flat.view(torch.uint8).view(8, m), 1), shape  # bool -> uint8: a free reinterpretation
 
 
 def unpack_bool(packed: torch.Tensor, shape: torch.Size | tuple[int, ...],
@@ -67,12 +92,7 @@ def unpack_bool(packed: torch.Tensor, shape: torch.Size | tuple[int, ...],
     """Inverse of :func:`pack_bool`: a contiguous tensor of ``shape`` on ``packed``'s device, ``torch.bool`` or
     0 / 1 in ``dtype`` (converted from the unpacked bytes, which is faster than from a bool tensor)."""
     shape = torch.Size(shape)
-    words = as_words(packed)
-    ones = int.from_bytes(b"\x01" * words.element_size(), "little")
-    bits = torch.empty(8, words.numel(), dtype=words.dtype, device=packed.device)
-    for p in range(8):
-        torch.bitwise_and(words >> p, ones, out=bits[p])
-    flat = bits.view(torch.uint8).view(-1)[:shape.numel()]
+    flat = unpack_planes(packed, 1).view(-1)[:shape.numel()]
     return (flat.view(torch.bool) if dtype == torch.bool else flat.to(dtype)).view(shape)
 
 
@@ -80,13 +100,11 @@ def bool_planes(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> Iterato
     """The mask :func:`pack_bool` packed, one plane at a time: ``(start, values)``, ``values`` the flat mask's
     elements ``start, start + 1, ...`` as 0 / 1 in ``dtype``. A caller applying the mask holds an eighth of it at a
     time (``numel``: the mask's element count)."""
-    words = as_words(packed)
-    ones = int.from_bytes(b"\x01" * words.element_size(), "little")
     m = packed.numel()
     for p in range(8):
         if p * m >= numel:
             return
-        yield p * m, ((words >> p) & ones).view(torch.uint8)[:min(m, numel - p * m)].to(dtype)
+        yield p * m, unpack_plane(packed, 1, p)[:min(m, numel - p * m)].to(dtype)
 
 
 def packed_nbytes(numel: int) -> int:
