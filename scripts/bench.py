@@ -2109,6 +2109,22 @@ QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {
     "GNN 20k nodes x 64": (20_000, 64),
 }
 QUICK_QUANTIZER_SHAPES: dict[str, tuple[int, ...]] = {"flat 256 K": (1 << 16,), "rows with padding": (4, 3, 100)}
+MASK_SHAPES: dict[str, tuple[int, ...]] = {"ResNet-50 b4 layer1 ReLU": (4, 256, 56, 56),
+                                          "ViT-Tiny b8 MLP hidden": (8, 197, 768)}
+QUICK_MASK_SHAPES: dict[str, tuple[int, ...]] = {"small": (4, 3, 100)}
+
+
+def _time_alternating(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the functions alternating within each repeat (order reversed every other
+    repeat), after ``warmup`` untimed repeats."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            fns[k]()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - start)
+    return {k: _median(v) for k, v in times.items()}
 
 
 def _git_show(rev: str, path: str) -> str:
@@ -2166,10 +2182,15 @@ def cmd_quantizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     current = importlib.import_module("zoomem.compress.quantize")
+    from zoomem.ops import packbits
+    from zoomem.ops.functional import _masked_grad
+
     try:
         old = _quantizer_module(args.against) if args.against else None
+        old_bits = (_import_source(_git_show(args.against, "zoomem/ops/packbits.py"), "zoomem_packbits_against")
+                    if args.against else None)
     except subprocess.CalledProcessError as e:
-        print(f"cannot read zoomem/compress/quantize.py at {args.against!r}: {e.stderr.strip()}", file=sys.stderr)
+        print(f"cannot read zoomem's quantizer or packbits at {args.against!r}: {e.stderr.strip()}", file=sys.stderr)
         return 2
     command = "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv)
     git_info = _git_info()
@@ -2181,23 +2202,35 @@ def cmd_quantizer(args: argparse.Namespace) -> int:
     for name, shape in (QUICK_QUANTIZER_SHAPES if args.quick else QUANTIZER_SHAPES).items():
         x = torch.randn(shape, generator=gen)
         for bits in args.bits:
-            times: dict[str, list[float]] = {k: [] for k in modules}
-            for i in range(args.warmup + args.repeats):
-                for k in (list(modules) if i % 2 == 0 else list(modules)[::-1]):  # interleaved, order alternating
-                    m = modules[k]
-                    start = time.perf_counter()
-                    m.dequantize(m.quantize(x, bits, generator=gen))
-                    if i >= args.warmup:
-                        times[k].append(time.perf_counter() - start)
-            nbytes = x.numel() * 4
+            times = _time_alternating({k: (lambda m=m: m.dequantize(m.quantize(x, bits, generator=gen)))
+                                       for k, m in modules.items()}, args.warmup, args.repeats)
             rows.append({"tensor": name, "shape": list(shape), "bits": bits,
-                         **{f"ns_per_byte_{k}": _median(v) / nbytes * 1e9 for k, v in times.items()}})
+                         **{f"ns_per_byte_{k}": v / (x.numel() * 4) * 1e9 for k, v in times.items()}})
+    # the 1-bit masks of ReLU / BatchNorm + ReLU: packing, unpacking, and applying one to a gradient in backward
+    # (this checkout's plane-by-plane way; with --against, that revision's packbits and its masked_fill on the mask)
+    masks = []
+    for name, shape in (QUICK_MASK_SHAPES if args.quick else MASK_SHAPES).items():
+        mask, grad = torch.randn(shape, generator=gen) > 0, torch.randn(shape, generator=gen)
+        libs = {"current": packbits, **({args.against: old_bits} if old_bits else {})}
+        packed = {k: lib.pack_bool(mask) for k, lib in libs.items()}
+        ops = {
+            "pack": {k: (lambda lib=lib: lib.pack_bool(mask)) for k, lib in libs.items()},
+            "unpack": {k: (lambda lib=lib, k=k: lib.unpack_bool(*packed[k])) for k, lib in libs.items()},
+            "apply to a gradient": {"current": lambda: _masked_grad(grad, *packed["current"]), **(
+                {args.against: lambda: grad.masked_fill(~old_bits.unpack_bool(*packed[args.against]), 0)}
+                if old_bits else {})},
+        }
+        with torch.no_grad():
+            for op, fns in ops.items():
+                times = _time_alternating(fns, args.warmup, args.repeats)
+                masks.append({"mask": name, "shape": list(shape), "operation": op,
+                              **{f"ms_{k}": v * 1e3 for k, v in times.items()}})
     probe = {b: current.seconds_per_byte("cpu", b) * 1e9 for b in args.bits}
     data = {**_result_head("quantizer", command, started, time.perf_counter() - t0, git_info),
             "settings": {"repeats": args.repeats, "warmup": args.warmup, "against": args.against,
                          "timing": "quantize then dequantize one fp32 tensor, median over repeats; with --against, "
                                    "the two quantizers alternate within each repeat"},
-            "probe_ns_per_byte": probe, "rows": rows}
+            "probe_ns_per_byte": probe, "rows": rows, "masks": masks}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
@@ -2215,8 +2248,16 @@ def quantizer_table(data: dict[str, Any], markdown: bool) -> str:
             row += [f"{r[f'ns_per_byte_{against}']:.2f}", f"{r[f'ns_per_byte_{against}'] / r['ns_per_byte_current']:.2f}x"]
         cells.append(row)
     probe = ", ".join(f"{b} bits {v:.2f}" for b, v in data["probe_ns_per_byte"].items())
+    mask_heads = ["1-bit mask", "shape", "operation", "ms"] + ([f"ms at {against}", "speed-up"] if against else [])
+    mask_cells = []
+    for r in data.get("masks", []):
+        row = [r["mask"], "x".join(map(str, r["shape"])), r["operation"], f"{r['ms_current']:.2f}"]
+        if against:
+            row += [f"{r[f'ms_{against}']:.2f}", f"{r[f'ms_{against}'] / r['ms_current']:.2f}x"]
+        mask_cells.append(row)
     return (f"{_machine_line(data['machine'])}\n{data['command']}\n\n" + _grid(heads, cells, markdown, left=3)
-            + f"\n\nThe planner's probe (seconds_per_byte, this checkout), ns/B: {probe}")
+            + f"\n\nThe planner's probe (seconds_per_byte, this checkout), ns/B: {probe}"
+            + ("\n\n" + _grid(mask_heads, mask_cells, markdown, left=3) if mask_cells else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2363,10 +2404,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "quantizer",
-        help="the quantizer's speed: ns per byte to quantize and dequantize typical activations, per width",
+        help="the quantizer's speed (ns per byte to quantize and dequantize typical activations, per width) and the "
+        "1-bit masks' (pack, unpack, apply to a gradient)",
         description="Quantize then dequantize fp32 tensors shaped like the compress models' activations, per bit "
         "width, median of --repeats; with --against REV, the quantizer of that git revision alternates with this "
-        "checkout's in the same process. Prints the planner's probe (seconds_per_byte) beside them.",
+        "checkout's in the same process. Prints the planner's probe (seconds_per_byte) beside them. Then the 1-bit "
+        "masks of ReLU and BatchNorm + ReLU: pack, unpack and apply to a gradient in backward (with --against, that "
+        "revision's packbits and masked_fill on its mask, the backward before the plane-by-plane one).",
     )
     p.add_argument("--quick", action="store_true", help="two small tensors (seconds; for tests)")
     p.add_argument("--bits", nargs="+", type=int, default=[1, 2, 4, 8], choices=[1, 2, 4, 8],
