@@ -127,8 +127,8 @@ def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
 def _uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     """Rounding noise in (0, 1): 16 random bits a value, on the centres of a 2**-16 grid.
 
-    One 64-bit draw gives four values: on CPU ``torch.rand`` draws (and converts) once per value, which took two
-    thirds of quantizing. A grid of 2**16 cells moves the chance of rounding up by at most 2**-17, so the bias of
+    One 64-bit draw gives four values: on CPU ``torch.rand`` draws (and converts) once per value, which took most
+    of quantizing's time. A grid of 2**16 cells moves the chance of rounding up by at most 2**-17, so the bias of
     a dequantized value is at most ``step / 2**17`` (far below its standard deviation, up to ``step / 2``).
     """
     n = math.prod(shape)
@@ -147,7 +147,7 @@ def _quantize_rows(x: torch.Tensor, noise: torch.Tensor, bits: int) -> tuple[tor
     safe = torch.where(step > 0, step, torch.ones_like(step))
     scaled = xf - lo[:, None]  # one fp32 temporary, then in place; >= 0, so the integer cast is the floor
     scaled.div_(safe[:, None]).add_(noise).clamp_(0, levels)
-    # a cast to int8 runs vectorised on CPU, one to uint8 does not (4x slower): int8 holds codes below 128, and
+    # a cast to int8 runs vectorised on CPU, one to uint8 does not: int8 holds codes below 128, and
     # 8-bit codes pass through int16 (2 bytes a value more scratch, see scratch_nbytes)
     codes = scaled.to(torch.int8).view(torch.uint8) if bits < 8 else scaled.to(torch.int16).to(torch.uint8)
     return codes, lo, step

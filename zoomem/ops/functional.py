@@ -245,7 +245,7 @@ def _mask_grad(grad: torch.Tensor, keep: torch.Tensor, slope: float | None = Non
     """``grad`` where ``keep > 0``, else 0 (``slope`` None) or ``grad * slope``; ``keep``: 0 / 1 values, or the
     saved activation itself. aten's ``threshold_backward`` / ``leaky_relu_backward`` with ``keep`` as their input
     give bitwise ``masked_fill``'s and ``where``'s values (NaN included), differentiably; ``masked_fill`` and
-    ``where`` with a bool mask ran 8x slower on one CPU thread (16 against 2 ms on a 3.2 M-element gradient)."""
+    ``where`` with a bool mask ran 4-6x slower on one CPU thread (``scripts/bench.py quantizer``)."""
     if keep.dtype != grad.dtype:  # a rounding cast could turn a tiny positive value into 0: compare first
         keep = (keep > 0).to(grad.dtype)
     if slope is None:

@@ -33,7 +33,7 @@ def _words(planes: torch.Tensor) -> torch.Tensor:
 def pack_planes(planes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``planes`` (uint8, ``(..., 8 // bits, n)``, every value below ``2**bits``) into ``(..., n)`` bytes: bits
     ``p * bits`` on of byte ``k`` hold ``planes[..., p, k]``. Each plane is a contiguous run, shifted and or-ed as
-    64-bit words; interleaving neighbours into a byte (a sum over a dimension of ``8 // bits``) was 4-16x slower on
+    64-bit words; interleaving neighbours into a byte (a sum over a dimension of ``8 // bits``) was several times slower on
     CPU. The layout of :func:`pack_bool` (``bits=1``) and of the quantizer's codes."""
     words = _words(planes)
     packed = words[..., 0, :].clone()
