@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterator
 from unittest import mock
 
 import pytest
@@ -821,15 +822,19 @@ def test_compact_model_supports_gradient_of_gradients(model_id: str, impls: set[
     assert rel(g_ours, g_stock) < 1e-5 and rel(h_ours, h_stock) < 1e-4
 
 
-def test_gcn_conv_keeps_only_a_compact_adjacency() -> None:
-    """A GCN layer through the CSR path: after its forward the only CSR matrix alive is the one its product saved,
-    int32 indices and values in storages of their own (the stock product keeps GCN's normalised matrix, whose
-    column indices are a view of the self-looped ``[2, E]`` int64 edge list: 20 bytes an edge, not 8); output and
-    input gradient bitwise the stock CSR product's."""
+@pytest.mark.parametrize("improved", [False, True])
+def test_gcn_conv_keeps_only_its_adjacency_structure(improved: bool) -> None:
+    """A GCN layer through the CSR path keeps no CSR matrix after its forward, only the structure of its normalised
+    adjacency (int32 row pointers and column indices, 4 bytes an edge, in storages of their own); backward rebuilds
+    the values bit for bit. The stock product keeps GCN's normalised matrix, whose column indices are a view of the
+    self-looped ``[2, E]`` int64 edge list (20 bytes an edge). Output and input gradient bitwise the stock CSR
+    product's."""
     import gc
 
     pytest.importorskip("torch_geometric")
     from torch_geometric.nn import GCNConv
+
+    from zoomem.ops import message_passing as mp
 
     def alive_csr() -> list[torch.Tensor]:
         gc.collect()
@@ -843,22 +848,104 @@ def test_gcn_conv_keeps_only_a_compact_adjacency() -> None:
     results = []
     for compact in (False, True):
         torch.manual_seed(1)
-        conv = GCNConv(8, 4)
+        conv = GCNConv(8, 4, improved=improved)
         if compact:
             install_impl(conv, "message_passing_spmm")
+        mp._LIVE.clear()
         before = {id(t) for t in alive_csr()}
         x = x0.clone().requires_grad_()
         out = conv(x, edge_index) if compact else _stock_csr_conv(conv, x, edge_index)
         held = [t for t in alive_csr() if id(t) not in before]
-        assert len(held) == 1
-        results.append((out, torch.autograd.grad(out.sum(), x)[0], held[0]))
-        del held
-    (out_s, gx_s, adj_s), (out_c, gx_c, adj_c) = results
+        parts = [tuple(r() for r in entry) for entry in mp._LIVE]
+        results.append((out, torch.autograd.grad(out.sum(), x)[0], held, parts))
+        del held, parts
+    (out_s, gx_s, (adj_s,), _), (out_c, gx_c, held_c, parts_c) = results
     assert torch.equal(out_c, out_s) and torch.equal(gx_c, gx_s)
-    nnz, own = adj_c.values().numel(), lambda t: t.untyped_storage().nbytes()  # noqa: E731
-    assert adj_c.col_indices().dtype == adj_c.crow_indices().dtype == torch.int32
-    assert own(adj_c.crow_indices()) + own(adj_c.col_indices()) + own(adj_c.values()) == 4 * (n + 1) + 8 * nnz
+    assert held_c == [] and len(parts_c) == 1
+    (crow, col), nnz = parts_c[0], adj_s.values().numel()
+    own = lambda t: t.untyped_storage().nbytes()  # noqa: E731
+    assert crow.dtype == col.dtype == torch.int32 and own(crow) + own(col) == 4 * (n + 1) + 4 * nnz
     assert own(adj_s.col_indices()) == 16 * nnz  # the stock one: both rows of the edge list
+
+
+def test_a_constant_product_saves_its_matrix_compactly() -> None:
+    """``torch.sparse.mm`` of a constant CSR matrix whose values are not GCN's normalisation of its structure:
+    the product saves the whole matrix, int32 indices and values in storages of their own; output and gradient
+    bitwise the stock product's, a second backward through it as through the stock one."""
+    import gc
+
+    from zoomem.ops.message_passing import _compact_product, _gcn_fill
+
+    torch.manual_seed(0)
+    n = 200
+    dense = torch.rand(n, n) * (torch.rand(n, n) < 0.05)
+    wide = dense.to_sparse_csr()
+    adj = torch.sparse_csr_tensor(wide.crow_indices(), torch.cat([wide.col_indices(), torch.zeros(7, dtype=torch.long)])[:-7],
+                                  wide.values(), wide.shape)  # column indices a view into a larger storage
+    assert _gcn_fill(adj) is None
+    x = torch.randn(n, 6, requires_grad=True)
+    ref = torch.sparse.mm(adj, x)
+    g_ref, = torch.autograd.grad(ref.square().sum(), x, create_graph=True)
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    out = _compact_product(adj, x)
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.sparse_csr
+            and id(o) not in before]
+    g_out, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    assert torch.equal(out, ref) and torch.equal(g_out, g_ref)
+    assert torch.equal(torch.autograd.grad(g_out.sum(), x)[0], torch.autograd.grad(g_ref.sum(), x)[0])
+    assert len(held) == 1 and held[0].col_indices().dtype == torch.int32
+    assert held[0].col_indices().untyped_storage().nbytes() == 4 * adj.values().numel()
+
+
+@pytest.mark.parametrize("model_id", ["pyg/gcn", "pyg/sage"])
+@pytest.mark.parametrize("store", [False, True], ids=["plain", "store"])
+def test_gnn_layers_share_one_saved_adjacency(model_id: str, store: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer builds the same adjacency from one edge list: through the CSR path the layers' products save
+    one copy of its parts between them (GCN's normalised matrix through the plain product, SAGE's structure
+    through the reduce product), with zoomem's saved-tensor store around the forward or not; the step holds one
+    adjacency after forward where it held one a layer, and output and gradients are bitwise the same."""
+    pytest.importorskip("torch_geometric")
+    from zoomem.measure import MemoryMeter
+    from zoomem.ops import message_passing as mp
+    from zoomem.runtime.compact import choose_impls, install_all
+    from zoomem.runtime.storage import SavedTensorStore
+    from zoomem.zoo import small
+
+    @contextlib.contextmanager
+    def own_copies(parts: tuple, dtypes: tuple) -> Iterator[tuple]:
+        yield tuple(mp._compact_member(p, d) for p, d in zip(parts, dtypes))
+
+    model, adapter, batch = small(model_id)
+    install_all(choose_impls(model, adapter.units(model), batch, outside=True))
+    assert len(model.convs) == 3
+    results = []
+    for shared in (True, False):
+        with monkeypatch.context() as m:
+            if not shared:
+                m.setattr(mp, "_shared_parts", own_copies)
+            mp._LIVE.clear()
+            model.zero_grad(set_to_none=True)
+            hooks = SavedTensorStore().hooks(model, batch.args, batch.kwargs) if store else contextlib.nullcontext()
+            with MemoryMeter() as meter:
+                with hooks:
+                    out = batch.call(model)
+                meter.mark("forward")
+                loss = adapter.loss(model, batch, out)
+                held = [parts for parts in (tuple(r() for r in entry) for entry in mp._LIVE) if all(p is not None for p in parts)]
+                loss.backward()
+            results.append((out.detach(), [p.grad.clone() for p in model.parameters()],
+                            meter.report.activation_bytes, held))
+            del held
+    (out_s, g_s, end_s, held_s), (out_o, g_o, end_o, _) = results
+    assert len(held_s) == 1  # one set of parts alive after forward, for all three layers
+    parts = held_s[0]
+    adjacency = sum(p.untyped_storage().nbytes() for p in parts)
+    assert torch.equal(out_s, out_o) and all(torch.equal(a, b) for a, b in zip(g_s, g_o))
+    # GCN's first layer multiplies its transformed input (which needs a gradient) by the adjacency, so all three
+    # products save it; SAGE's aggregates the input features themselves (no gradient): two save it
+    saving = {"pyg/gcn": 3, "pyg/sage": 2}[model_id]
+    assert end_o - end_s == (saving - 1) * adjacency, (end_o, end_s, adjacency)
 
 
 def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:

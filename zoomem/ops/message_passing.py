@@ -12,10 +12,15 @@ It applies only where both paths compute the same thing: a simple graph (no dupl
 loops, checked on every call; otherwise it falls back to the edge list) and no edge weights or extra inputs.
 The sums run in another order, so results agree to float rounding (about 1e-7 relative), not bitwise.
 
-What the products save is the adjacency's structure in a compact form (:func:`_compact_csr`: indices in their
-own storage, int32 where they fit): PyG builds a CSR's column indices as a view of a ``[2, E]`` edge list, so the
-stock product of a GCN layer keeps both int64 rows of its self-looped edge list alive (16 bytes an edge for its
-column indices, where 4 do; 8 an edge with the values).
+What the products save is the adjacency's structure in a compact form (indices in their own storage, int32 where
+they fit): PyG builds a CSR's column indices as a view of a ``[2, E]`` edge list, so the stock product of a GCN
+layer keeps both int64 rows of its self-looped edge list alive (16 bytes an edge for its column indices, where 4
+do). GCN's normalised values are not saved at all: they are checked, bit for bit, to be ``gcn_norm`` of the
+structure and rebuilt from it in backward (:class:`_GcnSpmm`; 4 bytes an edge in all, from 20); another constant
+matrix is saved whole (:func:`_compact_csr`, 8 bytes an edge). And the layers share what they save: each layer of
+a GNN builds the same adjacency from the same edge list, so the parts one layer saved are reused by the next while
+autograd holds them (:func:`_shared_parts`, compared bit for bit): an L-layer model keeps one adjacency for
+backward instead of L.
 
 Double backward (``create_graph=True``): PyG's ``spmm`` runs ``aggr="add"`` as a plain ``torch.sparse.mm``, which
 supports it; other reductions on CPU go to aten's ``_sparse_mm_reduce_impl``, whose backward has no derivative
@@ -28,8 +33,10 @@ unit values): no gradient flows to it, as none does through the edge list.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -83,16 +90,71 @@ def _compact_member(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach() if own else t.clone(memory_format=torch.contiguous_format)
 
 
-def _compact_csr(adj: torch.Tensor, narrow: bool = True) -> torch.Tensor:
-    """The same CSR matrix holding only its own bytes: each tensor in a storage of its own and, with ``narrow``,
-    indices int32 where the sizes fit (``torch.sparse.mm`` takes either: bitwise the same results on CPU, which
-    the tests check; on CUDA not measured here)."""
-    crow, col, values = adj.crow_indices(), adj.col_indices(), adj.values()
-    dtype = torch.int32 if narrow and max(adj.shape[-1], col.numel()) < 2**31 else crow.dtype
-    with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: the structure is adj's
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(_compact_member(crow, dtype), _compact_member(col, dtype),
-                                       _compact_member(values, values.dtype), adj.shape)
+_LIVE: list[tuple[weakref.ref, ...]] = []  # type: ignore[type-arg]
+"""Weak references to the adjacency parts :func:`_shared_parts` made that something (autograd) still holds."""
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype hold the same bits (``-0.0`` is not ``0.0`` to a product's sign of zero)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_floating_point():
+        as_int = _SAME_WIDTH_INT[a.element_size()]
+        a, b = a.view(as_int), b.view(as_int)
+    return torch.equal(a, b)
+
+
+@contextlib.contextmanager
+def _shared_parts(parts: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``parts`` (an adjacency's members) each as its dtype in a storage of its own (:func:`_compact_member`), or
+    bit for bit equal parts an earlier call made, while something still holds them.
+
+    Every layer of a GNN turns the same edge list into the same adjacency (GCN's normalisation included) and its
+    product saves that adjacency for backward: one copy, not one a layer (on a 3-layer GCN, 2 of the 3 copies). The
+    copy is made either way and held to the end of the ``with`` block (the caller's product), so a layer's
+    forward holds the same bytes whether or not an earlier layer kept its parts (a checkpointed one does not): what
+    the planner measured of each layer's forward holds in any plan. The parts are constants (no gradient, never
+    written), so sharing them changes no value. Not under ``torch.compile`` (nothing to compare)."""
+    made = tuple(_compact_member(p, d) for p, d in zip(parts, dtypes))
+    if torch.compiler.is_compiling() or any(p.device.type == "meta" for p in parts):
+        yield made
+        return
+    found: tuple[torch.Tensor, ...] | None = None
+    live = []
+    for entry in _LIVE:
+        held = tuple(ref() for ref in entry)
+        if any(h is None for h in held):
+            continue
+        live.append(entry)
+        if found is None and len(held) == len(made) and all(
+            _bitwise_equal(h, m) for h, m in zip(held, made)  # type: ignore[arg-type]
+        ):
+            found = held  # type: ignore[assignment]
+    if found is None:
+        live.append(tuple(weakref.ref(m) for m in made))
+    _LIVE[:] = live
+    yield made if found is None else found
+
+
+def _index_dtype(adj: torch.Tensor, narrow: bool) -> torch.dtype:
+    """int32 where ``narrow`` and the sizes fit (``torch.sparse.mm`` takes either: bitwise the same results on
+    CPU, which the tests check; on CUDA not measured here), else the matrix's own."""
+    fits = max(adj.shape[-1], adj.col_indices().numel()) < 2**31
+    return torch.int32 if narrow and fits else adj.crow_indices().dtype
+
+
+@contextlib.contextmanager
+def _compact_csr(adj: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The same CSR matrix holding only its own bytes, indices int32 where they fit, its parts shared with any
+    equal matrix another layer saved (:func:`_shared_parts`), for the ``with`` block."""
+    index = _index_dtype(adj, narrow=True)
+    with _shared_parts((adj.crow_indices(), adj.col_indices(), adj.values()),
+                       (index, index, adj.values().dtype)) as (crow, col, values):
+        with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: adj's structure
+            warnings.simplefilter("ignore", UserWarning)
+            yield torch.sparse_csr_tensor(crow, col, values, adj.shape)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +179,9 @@ class _CsrSpmmReduce(torch.autograd.Function):
                 out, arg_out = torch.ops.aten._sparse_mm_reduce_impl(adj, x.detach().requires_grad_(), reduce)
             out = out.detach()
         ctx.reduce, ctx.x_shape, ctx.adj_shape, ctx.v_dtype = reduce, x.shape, adj.shape, adj.values().dtype
-        compact = _compact_csr(adj, narrow=False)  # the reduce kernels' backward: int64 indices, as aten built them
-        ctx.save_for_backward(compact.crow_indices(), compact.col_indices(), arg_out)
+        index = _index_dtype(adj, narrow=False)  # the reduce kernels' backward: int64 indices, as aten built them
+        with _shared_parts((adj.crow_indices(), adj.col_indices()), (index, index)) as (crow, col):
+            ctx.save_for_backward(crow, col, arg_out)  # these objects: other layers find them (weakly) while saved
         return out
 
     @staticmethod
@@ -166,6 +229,80 @@ def _spmm_reduce_grad(
     return grad.new_zeros(x_shape).scatter_add(0, col[arg_out.clamp(max=nnz - 1)], src)
 
 
+def _gcn_fill(adj: torch.Tensor) -> float | None:
+    """The self-loop weight (1 or 2) when ``adj``'s values are, bit for bit, PyG's ``gcn_norm`` of its own
+    structure with unit edge weights: ``d[col] * w * d[row]``, ``d = deg^-1/2`` (0 where ``deg`` is 0), ``w`` 1 off
+    the diagonal and the self-loop weight on it, ``deg`` the row sums of ``w``; else ``None``. Such values are
+    rebuilt from the indices in backward instead of being saved (:func:`_gcn_values`)."""
+    values = adj.values()
+    if values.dtype not in (torch.float32, torch.float64) or adj.shape[0] != adj.shape[1] or values.numel() == 0:
+        return None
+    crow, col = adj.crow_indices(), adj.col_indices()
+    fills = (1.0, 2.0) if bool((_rows(crow) == col).any()) else (1.0,)
+    as_int = _SAME_WIDTH_INT[values.element_size()]
+    for fill in fills:
+        if torch.equal(_gcn_values(crow, col, fill, values.dtype).view(as_int), values.view(as_int)):
+            return fill
+    return None
+
+
+def _rows(crow: torch.Tensor) -> torch.Tensor:
+    """The row index of each stored entry of a CSR matrix."""
+    n = crow.numel() - 1
+    return torch.repeat_interleave(torch.arange(n, device=crow.device, dtype=crow.dtype), crow[1:] - crow[:-1])
+
+
+def _gcn_values(crow: torch.Tensor, col: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """GCN's normalised values of the CSR structure ``(crow, col)`` (see :func:`_gcn_fill`), in PyG's order of
+    operations (the row sums are of small integers, exact in any order)."""
+    rows = _rows(crow)
+    w = torch.ones(col.numel(), dtype=dtype, device=col.device)
+    if fill != 1.0:
+        w.masked_fill_(rows == col, fill)
+    deg = torch.zeros(crow.numel() - 1, dtype=dtype, device=col.device).index_add_(0, rows, w)
+    d = deg.pow_(-0.5)
+    d.masked_fill_(d == float("inf"), 0)
+    return d[col] * w * d[rows]
+
+
+class _GcnSpmm(torch.autograd.Function):
+    """``torch.sparse.mm(adj, x)`` for a constant CSR ``adj`` holding GCN's normalisation of its structure
+    (:func:`_gcn_fill`): saves the structure only (4 bytes an entry fewer than the matrix) and rebuilds the values
+    in backward, bit for bit. Output and gradient are bitwise the stock product's; the gradient is taken with
+    differentiable ops, so a second backward goes through it."""
+
+    @staticmethod
+    def forward(ctx, crow, col, fill, x, adj):  # type: ignore[override]
+        ctx.fill, ctx.shape, ctx.v_dtype = fill, adj.shape, adj.values().dtype
+        ctx.save_for_backward(crow, col)  # these objects: other layers find them (weakly) while saved
+        with torch.no_grad():
+            return torch.sparse.mm(adj, x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.needs_input_grad[3]:
+            return None, None, None, None, None
+        crow, col = ctx.saved_tensors
+        values = _gcn_values(crow, col, ctx.fill, ctx.v_dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            adj = torch.sparse_csr_tensor(crow, col, values, ctx.shape)
+        return None, None, None, adj.t() @ grad, None
+
+
+def _compact_product(adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``torch.sparse.mm(adj, x)`` for a constant CSR ``adj``, saving it compactly: its structure only where its
+    values are GCN's normalisation (:class:`_GcnSpmm`), else the whole matrix (:func:`_compact_csr`); the
+    parts shared with any equal ones another layer saved."""
+    fill = _gcn_fill(adj)
+    if fill is None:
+        with _compact_csr(adj) as compact:
+            return torch.sparse.mm(compact, x)  # autograd saves the compact one
+    index = _index_dtype(adj, narrow=True)
+    with _shared_parts((adj.crow_indices(), adj.col_indices()), (index, index)) as (crow, col):
+        return _GcnSpmm.apply(crow, col, fill, x, adj)
+
+
 def _const_csr_product(adj: Any, x: Any) -> bool:
     """Whether ``torch.sparse.mm(adj, x)`` multiplies a constant CSR matrix into a dense 2-D ``x`` that needs a
     gradient (autograd then saves the matrix)."""
@@ -179,8 +316,7 @@ def _const_csr_product(adj: Any, x: Any) -> bool:
 class _RouteReduceSpmm(TorchFunctionMode):
     """Inside a conv's forward, sends ``torch.sparse.mm(adj, x, reduce)`` on our adjacency to
     :class:`_CsrSpmmReduce`, and ``torch.sparse.mm(a, x)`` on any constant CSR matrix (GCN normalises ours into
-    another) to the same product on :func:`_compact_csr` of it, when ``x`` needs a gradient; every other call runs
-    unchanged."""
+    another) to :func:`_compact_product`, when ``x`` needs a gradient; every other call runs unchanged."""
 
     def __init__(self, adj: torch.Tensor) -> None:
         super().__init__()
@@ -189,9 +325,8 @@ class _RouteReduceSpmm(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.sparse.mm and len(args) == 2 and not kwargs and _const_csr_product(*args):
-            # the stock product, on the same matrix held compactly: bitwise the same output and gradient, and
-            # autograd saves the compact one (before the product runs, as for any input it saves)
-            return torch.sparse.mm(_compact_csr(args[0]), args[1])
+            # the stock product, saving the same matrix compactly: bitwise the same output and gradient
+            return _compact_product(args[0], args[1])
         if func is torch.sparse.mm and args and args[0] is self.adj:
             other = args[1] if len(args) > 1 else kwargs.get("mat2")
             reduce = args[2] if len(args) > 2 else kwargs.get("reduce")

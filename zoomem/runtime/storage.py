@@ -224,8 +224,10 @@ class SavedTensorStore:
             return earlier if earlier is not None else view  # type: ignore[return-value]
         # the data only: autograd re-attaches the saved tensor's grad_fn on unpack, and a packed object holding
         # ``t`` itself closes a cycle through C++ (node -> saved -> t -> node) that Python's collector cannot see:
-        # a graph never backpropagated (an exception, a forward without backward) would then leak
-        data = t.detach()
+        # a graph never backpropagated (an exception, a forward without backward) would then leak. A constant (no
+        # grad_fn, no gradient) closes no cycle and is held as itself, as autograd without hooks holds it: code
+        # that keeps weak references to what it saved (a GNN's shared adjacency) sees it alive until backward
+        data = t if t.grad_fn is None and not t.requires_grad else t.detach()
         packed = _Packed(data, key=key, store=self) if self.record else _Packed(data)
         bits = self.bits.get(key)
         reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
