@@ -237,32 +237,34 @@ def _gcn_fill(adj: torch.Tensor) -> float | None:
     values = adj.values()
     if values.dtype not in (torch.float32, torch.float64) or adj.shape[0] != adj.shape[1] or values.numel() == 0:
         return None
-    crow, col = adj.crow_indices(), adj.col_indices()
-    fills = (1.0, 2.0) if bool((_rows(crow) == col).any()) else (1.0,)
     as_int = _SAME_WIDTH_INT[values.element_size()]
-    for fill in fills:
-        if torch.equal(_gcn_values(crow, col, fill, values.dtype).view(as_int), values.view(as_int)):
+    for fill in (1.0, 2.0):
+        if torch.equal(_gcn_values(adj.crow_indices(), adj.col_indices(), fill, values.dtype).view(as_int),
+                       values.view(as_int)):
             return fill
     return None
 
 
-def _rows(crow: torch.Tensor) -> torch.Tensor:
-    """The row index of each stored entry of a CSR matrix."""
-    n = crow.numel() - 1
-    return torch.repeat_interleave(torch.arange(n, device=crow.device, dtype=crow.dtype), crow[1:] - crow[:-1])
-
-
 def _gcn_values(crow: torch.Tensor, col: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
-    """GCN's normalised values of the CSR structure ``(crow, col)`` (see :func:`_gcn_fill`), in PyG's order of
-    operations (the row sums are of small integers, exact in any order)."""
-    rows = _rows(crow)
-    w = torch.ones(col.numel(), dtype=dtype, device=col.device)
+    """GCN's normalised values of the CSR structure ``(crow, col)`` (see :func:`_gcn_fill`), bit for bit as PyG
+    computes them, with 8 bytes an entry of scratch at most (with a self-loop weight of 1; 13 with 2): the row
+    sums of small integers are exact in any order, and a product by ``w`` (1, or 2 on the diagonal) is exact."""
+    counts = crow[1:] - crow[:-1]
+    deg = counts.to(dtype)
+    diag = None
     if fill != 1.0:
-        w.masked_fill_(rows == col, fill)
-    deg = torch.zeros(crow.numel() - 1, dtype=dtype, device=col.device).index_add_(0, rows, w)
+        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=col.device, dtype=crow.dtype), counts,
+                                       output_size=col.numel())
+        diag = rows == col
+        del rows
+        deg.index_put_((col[diag],), torch.tensor(fill - 1.0, dtype=dtype, device=col.device), accumulate=True)
     d = deg.pow_(-0.5)
     d.masked_fill_(d == float("inf"), 0)
-    return d[col] * w * d[rows]
+    values = d[col]
+    if diag is not None:
+        values[diag] *= fill
+        del diag
+    return values.mul_(torch.repeat_interleave(d, counts, output_size=col.numel()))
 
 
 class _GcnSpmm(torch.autograd.Function):
@@ -300,7 +302,10 @@ def _compact_product(adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return torch.sparse.mm(compact, x)  # autograd saves the compact one
     index = _index_dtype(adj, narrow=True)
     with _shared_parts((adj.crow_indices(), adj.col_indices()), (index, index)) as (crow, col):
-        return _GcnSpmm.apply(crow, col, fill, x, adj)
+        with warnings.catch_warnings():  # the product runs on the int32 structure too (int64 ones: a converted copy)
+            warnings.simplefilter("ignore", UserWarning)
+            narrow = torch.sparse_csr_tensor(crow, col, adj.values(), adj.shape)
+        return _GcnSpmm.apply(crow, col, fill, x, narrow)
 
 
 def _const_csr_product(adj: Any, x: Any) -> bool:
