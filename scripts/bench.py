@@ -68,6 +68,7 @@ import argparse
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -2226,11 +2227,12 @@ def cmd_quantizer(args: argparse.Namespace) -> int:
                 masks.append({"mask": name, "shape": list(shape), "operation": op,
                               **{f"ms_{k}": v * 1e3 for k, v in times.items()}})
     probe = {b: current.seconds_per_byte("cpu", b) * 1e9 for b in args.bits}
+    per_call = {b: current.seconds_per_call("cpu", b) * 1e3 for b in args.bits}
     data = {**_result_head("quantizer", command, started, time.perf_counter() - t0, git_info),
             "settings": {"repeats": args.repeats, "warmup": args.warmup, "against": args.against,
                          "timing": "quantize then dequantize one fp32 tensor, median over repeats; with --against, "
                                    "the two quantizers alternate within each repeat"},
-            "probe_ns_per_byte": probe, "rows": rows, "masks": masks}
+            "probe_ns_per_byte": probe, "probe_ms_per_call": per_call, "rows": rows, "masks": masks}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
@@ -2240,14 +2242,27 @@ def cmd_quantizer(args: argparse.Namespace) -> int:
 
 def quantizer_table(data: dict[str, Any], markdown: bool) -> str:
     against = data["settings"]["against"]
-    heads = ["tensor", "shape", "bits", "ns/B"] + ([f"ns/B at {against}", "speed-up"] if against else [])
+    per_call = data.get("probe_ms_per_call")  # runs before seconds_per_call have none
+    rate = {str(b): v for b, v in data["probe_ns_per_byte"].items()}  # int keys, or str ones read back from JSON
+    fixed = {str(b): v for b, v in (per_call or {}).items()}
+
+    def model(r: dict[str, Any]) -> list[str]:  # the planner's price of this tensor, per byte
+        if per_call is None:
+            return []
+        bits = str(r["bits"])
+        return [f"{rate[bits] + fixed[bits] * 1e6 / (4 * math.prod(r['shape'])):.2f}"]
+
+    heads = (["tensor", "shape", "bits", "ns/B"] + (["planner's ns/B"] if per_call is not None else [])
+             + ([f"ns/B at {against}", "speed-up"] if against else []))
     cells = []
     for r in data["rows"]:
-        row = [r["tensor"], "x".join(map(str, r["shape"])), str(r["bits"]), f"{r['ns_per_byte_current']:.2f}"]
+        row = [r["tensor"], "x".join(map(str, r["shape"])), str(r["bits"]), f"{r['ns_per_byte_current']:.2f}", *model(r)]
         if against:
             row += [f"{r[f'ns_per_byte_{against}']:.2f}", f"{r[f'ns_per_byte_{against}'] / r['ns_per_byte_current']:.2f}x"]
         cells.append(row)
     probe = ", ".join(f"{b} bits {v:.2f}" for b, v in data["probe_ns_per_byte"].items())
+    if per_call is not None:
+        probe += "; per tensor (seconds_per_call), ms: " + ", ".join(f"{b} bits {v:.3f}" for b, v in per_call.items())
     mask_heads = ["1-bit mask", "shape", "operation", "ms"] + ([f"ms at {against}", "speed-up"] if against else [])
     mask_cells = []
     for r in data.get("masks", []):

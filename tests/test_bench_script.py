@@ -306,8 +306,8 @@ def test_bench_quantizer_quick(tmp_path):
     assert [(r["tensor"], r["bits"]) for r in data["rows"]] == [
         (t, b) for t in ("flat 256 K", "rows with padding") for b in (2, 8)]
     assert all(r["ns_per_byte_current"] > 0 and r["ns_per_byte_HEAD"] > 0 for r in data["rows"])
-    assert set(data["probe_ns_per_byte"]) == {"2", "8"}
-    assert "| ns/B at HEAD | speed-up |" in proc.stdout and "planner's probe" in proc.stdout
+    assert set(data["probe_ns_per_byte"]) == set(data["probe_ms_per_call"]) == {"2", "8"}
+    assert "| planner's ns/B | ns/B at HEAD | speed-up |" in proc.stdout and "planner's probe" in proc.stdout
     assert [r["operation"] for r in data["masks"]] == ["pack", "unpack", "apply to a gradient"]
     assert all(r["ms_current"] > 0 and r["ms_HEAD"] > 0 for r in data["masks"])
     bad = subprocess.run([*bench, "--against", "no-such-rev", "--out", str(tmp_path / "b.json")], cwd=REPO,

@@ -1,6 +1,7 @@
 """Lossy storage of saved activations: per-group stochastic-rounding quantization and sensitivity estimation."""
 
-from .quantize import BITS, GROUP_SIZE, Quantized, dequantize, quantize, quantized_nbytes, seconds_per_byte
+from .quantize import (BITS, GROUP_SIZE, Quantized, dequantize, quantize, quantized_nbytes, seconds_per_byte,
+                       seconds_per_call)
 from .sensitivity import Sensitivity, empirical_variance, estimate_sensitivity, predicted_variance
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "quantize",
     "quantized_nbytes",
     "seconds_per_byte",
+    "seconds_per_call",
 ]

@@ -125,6 +125,8 @@ class CostModel:
     that takes it as input, the next one's when it is its unit's output (the caller holds that), or the last one
     that starts while the model's code still holds it (:attr:`SavedInfo.held_through`)."""
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
+    compress_s_per_call: dict[int, float] = field(default_factory=dict)
+    """Seconds each lossy tensor costs beyond its bytes' (:func:`~zoomem.compress.seconds_per_call`), per width."""
     grad_sq: float = 0.0
     fused_quantize: bool = False
     """(De)quantization runs in the fused Triton kernels (CUDA), which hold nothing beyond their results."""
@@ -296,9 +298,10 @@ class CostModel:
         )
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float],
-                     fused: bool | None = None) -> None:
+                     fused: bool | None = None, seconds_per_call: dict[int, float] | None = None) -> None:
         """Add the probe's saved tensors (those that may be stored lossily) for the joint program; ``fused``:
-        whether (de)quantizing runs the Triton kernels (``None``: as before)."""
+        whether (de)quantizing runs the Triton kernels, ``seconds_per_call`` each tensor's fixed time (``None``:
+        as before)."""
         seg = {u: i + 1 for i, u in enumerate(self.units)}
         head = len(self.units) + 1
 
@@ -324,6 +327,8 @@ class CostModel:
         self.own_forward = self._own_forward()
         self.grad_sq = grad_sq
         self.compress_s_per_byte = dict(seconds_per_byte)
+        if seconds_per_call is not None:
+            self.compress_s_per_call = dict(seconds_per_call)
         if fused is not None:
             self.fused_quantize = fused
         self.__dict__.pop("_matrix_cache", None)
@@ -512,7 +517,11 @@ class CostModel:
 
     def compress_time(self, bits: dict[str, int]) -> float:
         by_key = {s.key: s for s in self.saved}
-        return sum(self.compress_s_per_byte.get(b, 0.0) * by_key[k].nbytes for k, b in bits.items() if k in by_key)
+        return sum(self.compress_seconds(b, by_key[k].nbytes) for k, b in bits.items() if k in by_key)
+
+    def compress_seconds(self, bits: int, nbytes: int) -> float:
+        """Predicted seconds to quantize and dequantize one tensor of ``nbytes`` in ``bits``."""
+        return self.compress_s_per_call.get(bits, 0.0) + self.compress_s_per_byte.get(bits, 0.0) * nbytes
 
     def relative_variance(self, bits: dict[str, int]) -> float:
         by_key = {s.key: s for s in self.saved}

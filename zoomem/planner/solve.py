@@ -356,7 +356,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         # seconds charged per unit of predicted gradient variance: one step per `variance_tolerance` of ||g||^2
         lam = model.step_s / (compress.variance_tolerance * model.grad_sq) if model.grad_sq > 0 else 0.0
         time_cost += pulp.lpSum(
-            v * (model.compress_s_per_byte.get(b, 0.0) * by_key[key][0].nbytes + lam * by_key[key][0].variance(b))
+            v * (model.compress_seconds(b, by_key[key][0].nbytes) + lam * by_key[key][0].variance(b))
             for (key, b), v in q.items()
         )
     # minimise time; for the min-peak program minimise the peak first, time as a tie-breaker

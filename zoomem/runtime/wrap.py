@@ -27,7 +27,7 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import BackwardWindow, ForwardWindow, measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
-from ..compress.quantize import GROUP_SIZE, seconds_per_byte
+from ..compress.quantize import GROUP_SIZE, seconds_per_byte, seconds_per_call
 from ..compress.triton_kernels import use_triton
 from ..planner.costs import _points
 from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Plan, make_plan, parse_budget
@@ -398,8 +398,10 @@ def _make(
             batch, adapter, scale, "measuring sensitivities",
             lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in (compress or CompressOptions()).bits},
-                           fused=use_triton(torch.empty(0, device=device), GROUP_SIZE))
+        widths = (compress or CompressOptions()).bits
+        costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in widths},
+                           fused=use_triton(torch.empty(0, device=device), GROUP_SIZE),
+                           seconds_per_call={b: seconds_per_call(device, b) for b in widths})
     if level is not None:
         new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
         new.budget_bytes = budget_bytes
