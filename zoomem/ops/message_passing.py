@@ -90,6 +90,14 @@ def _compact_member(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach() if own else t.clone(memory_format=torch.contiguous_format)
 
 
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: Any) -> torch.Tensor:
+    """``torch.sparse_csr_tensor`` of parts taken from a valid CSR matrix, without torch's note that its invariant
+    checks are off (every structure here is one aten built)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, shape)
+
+
 _LIVE: list[tuple[weakref.ref, ...]] = []  # type: ignore[type-arg]
 """Weak references to the adjacency parts :func:`_shared_parts` made that something (autograd) still holds."""
 
@@ -107,7 +115,9 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _shared_parts(parts: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
+def _shared_parts(
+    parts: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """``parts`` (an adjacency's members) each as its dtype in a storage of its own (:func:`_compact_member`), or
     bit for bit equal parts an earlier call made, while something still holds them.
 
@@ -152,9 +162,7 @@ def _compact_csr(adj: torch.Tensor) -> Iterator[torch.Tensor]:
     index = _index_dtype(adj, narrow=True)
     with _shared_parts((adj.crow_indices(), adj.col_indices(), adj.values()),
                        (index, index, adj.values().dtype)) as (crow, col, values):
-        with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: adj's structure
-            warnings.simplefilter("ignore", UserWarning)
-            yield torch.sparse_csr_tensor(crow, col, values, adj.shape)
+        yield _csr(crow, col, values, adj.shape)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -191,9 +199,7 @@ class _CsrSpmmReduce(torch.autograd.Function):
         crow, col, arg_out = ctx.saved_tensors
         with torch.no_grad():
             ones = torch.ones(col.numel(), dtype=ctx.v_dtype, device=col.device)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                adj = torch.sparse_csr_tensor(crow, col, ones, ctx.adj_shape)
+            adj = _csr(crow, col, ones, ctx.adj_shape)
             dummy = grad.new_empty(()).expand(ctx.x_shape)  # read for its shape only (no value gradient asked)
             _, gx = torch.ops.aten._sparse_mm_reduce_impl_backward(adj, grad, dummy, ctx.reduce, arg_out, [False, True])
             del adj, ones
@@ -217,11 +223,8 @@ def _spmm_reduce_grad(
         perm = torch.argsort(col, stable=True)
         crow_t = torch.zeros(x_shape[0] + 1, dtype=crow.dtype, device=col.device)
         crow_t[1:] = torch.bincount(col, minlength=x_shape[0]).cumsum(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            adj_tt = torch.sparse_csr_tensor(
-                crow_t, rows[perm], torch.ones(nnz, dtype=grad.dtype, device=col.device), (x_shape[0], deg.numel())
-            )
+        ones = torch.ones(nnz, dtype=grad.dtype, device=col.device)
+        adj_tt = _csr(crow_t, rows[perm], ones, (x_shape[0], deg.numel()))
         return torch.sparse.mm(adj_tt, grad)  # adj^T @ grad: differentiable in grad
     # max / min: each output element came from the entry arg_out (== nnz for an empty row, which gets nothing)
     valid = arg_out < nnz
@@ -237,10 +240,8 @@ def _gcn_fill(adj: torch.Tensor) -> float | None:
     values = adj.values()
     if values.dtype not in (torch.float32, torch.float64) or adj.shape[0] != adj.shape[1] or values.numel() == 0:
         return None
-    as_int = _SAME_WIDTH_INT[values.element_size()]
     for fill in (1.0, 2.0):
-        if torch.equal(_gcn_values(adj.crow_indices(), adj.col_indices(), fill, values.dtype).view(as_int),
-                       values.view(as_int)):
+        if _bitwise_equal(_gcn_values(adj.crow_indices(), adj.col_indices(), fill, values.dtype), values):
             return fill
     return None
 
@@ -285,10 +286,7 @@ class _GcnSpmm(torch.autograd.Function):
         if not ctx.needs_input_grad[3]:
             return None, None, None, None, None
         crow, col = ctx.saved_tensors
-        values = _gcn_values(crow, col, ctx.fill, ctx.v_dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            adj = torch.sparse_csr_tensor(crow, col, values, ctx.shape)
+        adj = _csr(crow, col, _gcn_values(crow, col, ctx.fill, ctx.v_dtype), ctx.shape)
         return None, None, None, adj.t() @ grad, None
 
 
@@ -302,10 +300,8 @@ def _compact_product(adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return torch.sparse.mm(compact, x)  # autograd saves the compact one
     index = _index_dtype(adj, narrow=True)
     with _shared_parts((adj.crow_indices(), adj.col_indices()), (index, index)) as (crow, col):
-        with warnings.catch_warnings():  # the product runs on the int32 structure too (int64 ones: a converted copy)
-            warnings.simplefilter("ignore", UserWarning)
-            narrow = torch.sparse_csr_tensor(crow, col, adj.values(), adj.shape)
-        return _GcnSpmm.apply(crow, col, fill, x, narrow)
+        # the product runs on the int32 structure too: on int64 indices the kernel makes a converted copy
+        return _GcnSpmm.apply(crow, col, fill, x, _csr(crow, col, adj.values(), adj.shape))
 
 
 def _const_csr_product(adj: Any, x: Any) -> bool:
