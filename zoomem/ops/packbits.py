@@ -30,11 +30,16 @@ def _words(planes: torch.Tensor) -> torch.Tensor:
     return planes.view(torch.int64) if planes.shape[-1] % 8 == 0 and planes.numel() else planes
 
 
+def _low_bits(bits: int, words: torch.Tensor) -> int:
+    """The mask of the low ``bits`` of every byte of one element of ``words``."""
+    return int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
+
+
 def pack_planes(planes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``planes`` (uint8, ``(..., 8 // bits, n)``, every value below ``2**bits``) into ``(..., n)`` bytes: bits
     ``p * bits`` on of byte ``k`` hold ``planes[..., p, k]``. Each plane is a contiguous run, shifted and or-ed as
-    64-bit words; interleaving neighbours into a byte (a sum over a dimension of ``8 // bits``) was several times slower on
-    CPU. The layout of :func:`pack_bool` (``bits=1``) and of the quantizer's codes."""
+    64-bit words; interleaving neighbours into a byte (a sum over a dimension of ``8 // bits``) was several times
+    slower on CPU. The layout of :func:`pack_bool` (``bits=1``) and of the quantizer's codes."""
     words = _words(planes)
     packed = words[..., 0, :].clone()
     for p in range(1, 8 // bits):
@@ -45,14 +50,13 @@ def pack_planes(planes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_plane(packed: torch.Tensor, bits: int, p: int) -> torch.Tensor:
     """Plane ``p`` of :func:`pack_planes`' bytes ``packed``: ``(..., n)`` uint8 values below ``2**bits``."""
     words = _words(packed)
-    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
-    return ((words >> (p * bits)) & mask).view(torch.uint8)
+    return ((words >> (p * bits)) & _low_bits(bits, words)).view(torch.uint8)
 
 
 def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_planes`: ``(..., 8 // bits, n)`` uint8."""
     words = _words(packed)
-    mask = int.from_bytes(bytes([(1 << bits) - 1]) * words.element_size(), "little")
+    mask = _low_bits(bits, words)
     planes = torch.empty(*words.shape[:-1], 8 // bits, words.shape[-1], dtype=words.dtype, device=packed.device)
     for p in range(8 // bits):
         torch.bitwise_and(words >> (p * bits), mask, out=planes[..., p, :])
