@@ -2153,19 +2153,17 @@ def _import_source(source: str, name: str) -> Any:
     return module
 
 
-def _quantizer_module(rev: str) -> Any:
-    """``zoomem/compress/quantize.py`` as it was at git revision ``rev``, with that revision's
-    ``zoomem/ops/packbits.py`` where it imports from it (its other relative imports point at this checkout's
-    package), to time it beside this checkout's in one process."""
+def _quantizer_modules(rev: str) -> tuple[Any, Any]:
+    """``zoomem/compress/quantize.py`` and ``zoomem/ops/packbits.py`` as they were at git revision ``rev``, the
+    quantizer importing that packbits where it imports one (its other relative imports point at this checkout's
+    package), to time them beside this checkout's in one process."""
     import re
 
     tag = re.sub(r"\W", "_", rev)
-    source = _git_show(rev, "zoomem/compress/quantize.py")
-    if "from ..ops.packbits" in source:
-        _import_source(_git_show(rev, "zoomem/ops/packbits.py"), f"zoomem_packbits_{tag}")
-        source = source.replace("from ..ops.packbits", f"from zoomem_packbits_{tag}")
+    packbits = _import_source(_git_show(rev, "zoomem/ops/packbits.py"), f"zoomem_packbits_{tag}")
+    source = _git_show(rev, "zoomem/compress/quantize.py").replace("from ..ops.packbits", f"from zoomem_packbits_{tag}")
     source = source.replace("from ..", "from zoomem.").replace("from .", "from zoomem.compress.")
-    return _import_source(source, f"zoomem_quantize_{tag}")
+    return _import_source(source, f"zoomem_quantize_{tag}"), packbits
 
 
 def cmd_quantizer(args: argparse.Namespace) -> int:
@@ -2187,9 +2185,7 @@ def cmd_quantizer(args: argparse.Namespace) -> int:
     from zoomem.ops.functional import _masked_grad
 
     try:
-        old = _quantizer_module(args.against) if args.against else None
-        old_bits = (_import_source(_git_show(args.against, "zoomem/ops/packbits.py"), "zoomem_packbits_against")
-                    if args.against else None)
+        old, old_bits = _quantizer_modules(args.against) if args.against else (None, None)
     except subprocess.CalledProcessError as e:
         print(f"cannot read zoomem's quantizer or packbits at {args.against!r}: {e.stderr.strip()}", file=sys.stderr)
         return 2
