@@ -836,6 +836,8 @@ def test_gcn_conv_keeps_only_its_adjacency_structure(improved: bool) -> None:
 
     from zoomem.ops import message_passing as mp
 
+    mp.register_message_passing_impl()  # (importing zoomem's PyG adapter does it; not every test run has)
+
     def alive_csr() -> list[torch.Tensor]:
         gc.collect()
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.sparse_csr]
@@ -946,6 +948,45 @@ def test_gnn_layers_share_one_saved_adjacency(model_id: str, store: bool, monkey
     # products save it; SAGE's aggregates the input features themselves (no gradient): two save it
     saving = {"pyg/gcn": 3, "pyg/sage": 2}[model_id]
     assert end_o - end_s == (saving - 1) * adjacency, (end_o, end_s, adjacency)
+
+
+def test_gcn_layers_on_different_graphs_share_nothing() -> None:
+    """Two graphs alive in one autograd graph (the same layer run on two edge lists of the same size before one
+    backward, as a model with two edge types does), then a forward under ``no_grad``: each product keeps its own
+    graph's structure (the sharing compares bits, not sizes), gradients are bitwise the stock CSR product's, and
+    without grad PyG's own path runs and nothing is made."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import GCNConv
+
+    from zoomem.ops import message_passing as mp
+
+    mp.register_message_passing_impl()
+    torch.manual_seed(0)
+    n = 300
+    graphs = []
+    for _ in range(2):
+        e = torch.randint(0, n, (2, 3000))
+        graphs.append(torch.unique(e[:, e[0] != e[1]], dim=1)[:, :2500])  # simple, and the same edge count
+    x0 = torch.randn(n, 8)
+    results = []
+    for compact in (False, True):
+        torch.manual_seed(1)
+        conv = GCNConv(8, 4)
+        if compact:
+            install_impl(conv, "message_passing_spmm")
+        mp._LIVE.clear()
+        x = x0.clone().requires_grad_()
+        outs = [conv(x, g) if compact else _stock_csr_conv(conv, x, g) for g in graphs]
+        alive = [tuple(r() for r in entry) for entry in mp._LIVE]
+        results.append((outs, torch.autograd.grad(sum(o.square().sum() for o in outs), [x, conv.lin.weight]), alive))
+        del alive
+    (outs_s, grads_s, _), (outs_c, grads_c, alive_c) = results
+    assert all(torch.equal(a, b) for a, b in zip(outs_c, outs_s)) and all(map(torch.equal, grads_c, grads_s))
+    assert len(alive_c) == 2 and not torch.equal(alive_c[0][1], alive_c[1][1])
+    mp._LIVE.clear()
+    with torch.no_grad():  # zoomem's forms stay out of no_grad forwards: PyG's own edge-list path, bitwise
+        out, stock = conv(x0, graphs[0]), type(conv).forward(conv, x0, graphs[0])
+    assert mp._LIVE == [] and torch.equal(out, stock)
 
 
 def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
