@@ -698,7 +698,7 @@ def test_each_lossy_tensor_is_priced_its_fixed_time_too() -> None:
     """Quantizing and dequantizing a tensor costs a fixed time beyond its bytes' (the ops' dispatch and the Python
     around them: 0.07-0.22 ms on one CPU thread here), measured once per width (``seconds_per_call``) beside the rate:
     a plan's predicted compression time counts it for every lossy tensor (ViT-Tiny's 133 lossy tensors at batch 8
-    were priced some 30 ms a step low without it)."""
+    were priced 9-29 ms a step low without it)."""
     from zoomem.compress import seconds_per_byte, seconds_per_call
 
     model, adapter, batch = small("hf/bert-base-uncased", seed=0)

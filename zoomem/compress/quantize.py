@@ -293,8 +293,8 @@ def seconds_per_byte(device: torch.device | str, bits: int) -> float:
 
 def seconds_per_call(device: torch.device | str, bits: int) -> float:
     """Measured seconds one quantize + dequantize costs beyond :func:`seconds_per_byte` whatever its size: the ops'
-    dispatch and the Python around them (cached). From a 64 KiB tensor; never negative. 0.07-0.22 ms on one CPU thread
-    here (BENCHMARKS.md), so a model with many small lossy tensors (ViT-Tiny at batch 8: 133, 1.7 MB on average) pays some 30 ms a
-    step that the rate alone does not see."""
+    dispatch and the Python around them (cached). From a 64 KiB tensor; never negative. 0.07-0.22 ms on one CPU
+    thread here (BENCHMARKS.md), so a model with many small lossy tensors (ViT-Tiny at batch 8: 133, 1.7 MB on
+    average) pays 9-29 ms a step that the rate alone does not see."""
     device = torch.device(device)
     return max(0.0, _probe_seconds(device, bits, _SMALL) - seconds_per_byte(device, bits) * _SMALL * 4)
