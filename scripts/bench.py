@@ -1505,15 +1505,19 @@ def _plan_below_others(methods: list[_Method], mode: str, min_budget: int | None
     """``mode`` (lossless or combined) at budgets just below the predicted peak of each lossy level and each lossless
     plan made at a fraction or the minimum (by :data:`MATCHED_GAP` of PyTorch's peak, beyond the verdict's margin):
     that plan fits a little above, so the program answers whether it gets lower at no more time. Both modes get the
-    same anchors. Lowest first; a budget within the margin of a plan of this mode already made, or below its known
-    minimum, is left out."""
-    gap, margin = int(MATCHED_GAP * baseline), COMBINED_MARGIN * baseline
-    taken = [m.info["budget_bytes"] for m in methods if m.kind == mode and m.plan is not None]
+    same anchors. Lowest first. A budget is left out when a plan of this mode already made answers it: one whose
+    budget is at least this one and whose predicted peak is at most it (the program's fastest plan there is that
+    one), or one within a quarter of the margin (the same plan, or nearly); and below a minimum an infeasible budget
+    named. A plan at a lower budget does not answer it: it may take more time."""
+    gap, near = int(MATCHED_GAP * baseline), COMBINED_MARGIN * baseline / 4
+    made = [(m.info["budget_bytes"], m.plan.predicted_peak_bytes) for m in methods
+            if m.kind == mode and m.plan is not None]
     anchors = [m for m in methods if m.plan is not None and (
         (m.kind == "lossless" and "@<" not in m.key) or (m.kind == "level" and m.info.get("lossy_tensors")))]
     for anchor in sorted(anchors, key=lambda m: m.plan.predicted_peak_bytes):
         budget = int(anchor.plan.predicted_peak_bytes) - gap
-        if (min_budget is not None and budget < min_budget) or any(abs(budget - b) < margin for b in taken):
+        if (min_budget is not None and budget < min_budget) or any(
+                peak <= budget <= b or abs(budget - b) <= near for b, peak in made):
             continue
         name = anchor.key.replace("@", " ")
         m = _Method(f"{mode}@<{name}", _MODES[mode], mode, anchor.model, anchor.optimizer, anchor.loss_fn,
@@ -1521,7 +1525,7 @@ def _plan_below_others(methods: list[_Method], mode: str, min_budget: int | None
         m.info["budget_bytes"] = budget
         planned(m, lambda: plan(budget))
         if m.plan is not None:
-            taken.append(budget)
+            made.append((budget, m.plan.predicted_peak_bytes))
         elif "min_budget_bytes" in m.info:
             min_budget = max(min_budget or 0, m.info["min_budget_bytes"])
 

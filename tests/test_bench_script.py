@@ -222,7 +222,8 @@ def test_a_combined_plan_storing_nothing_lossily_cannot_beat_lossless_planning()
 
 def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
     """`--matched` budget selection: one plan of the mode just below each lossy level and lossless plan, lowest
-    first, none within the verdict's margin of another of the mode, none below a minimum an infeasible one named."""
+    first; none where a plan of the mode already made answers the budget (at least that budget, its peak at most
+    it) or sits within a quarter of the margin; none below a minimum an infeasible one named."""
     from types import SimpleNamespace
 
     import zoomem
@@ -238,7 +239,8 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
 
     methods = [method("L0", "level", 1000, lossy=0), method("L1.1", "level", 500), method("L1.2", "level", 495),
                method("L2.2", "level", 470), method("lossless@min", "lossless", 520),
-               method("combined@50%", "combined", 508, budget_mib=510),
+               method("lossless@90%", "lossless", 560), method("combined@50%", "combined", 508, budget_mib=510),
+               method("combined@60%", "combined", 540, budget_mib=600),
                method("lossless@<L2.2", "lossless", 300)]  # itself matched: no anchor
 
     def planned(m, make):
@@ -255,10 +257,12 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
         return SimpleNamespace(predicted_peak_bytes=budget)
 
     bench._plan_below_others(methods, "combined", None, baseline, planned, plan)
-    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[7:]}
-    # L2.2's budget (457.5) is infeasible; L1.1's lies within 10 MiB of L1.2's, lossless@min's of combined@50%'s
-    assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5}
-    assert methods[7].plan is None and methods[8].plan is not None
+    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[9:]}
+    # L2.2's budget (457.5) is infeasible. L1.1's (487.5) is 5 MiB above L1.2's: planned, that plan may take more
+    # time. lossless@min's (507.5) is within 2.5 MiB of combined@50%'s 510; combined@60% (600, peak 540) answers
+    # lossless@90%'s 547.5 on its own; nothing answered lossless@90%'s before it was made
+    assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5, "combined@<L1.1": 487.5}
+    assert methods[9].plan is None and methods[10].plan is not None
 
 
 def test_bench_accuracy_quick(tmp_path):
