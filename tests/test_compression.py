@@ -711,8 +711,28 @@ def test_each_lossy_tensor_is_priced_its_fixed_time_too() -> None:
         assert fixed == seconds_per_call("cpu", b) and 0 < fixed < seconds_per_byte("cpu", b) * (4 << 20)
     nbytes = {s.key: s.nbytes for s in costs.saved}
     expected = sum(costs.compress_s_per_call[b] + costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
-    assert plan.compress_s == pytest.approx(expected, rel=1e-12)
-    assert plan.compress_s > sum(costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
+    assert plan.compress_s == pytest.approx(costs.compress_scale * expected, rel=1e-12)
+    assert expected > sum(costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
+
+
+def test_lossy_prices_are_measured_in_the_step() -> None:
+    """The quantizer's probes time one tensor alone. In a step the same tensors cost more or less, the store's work
+    comes with them, and the step's timeline (every overhead's denominator) runs under the meter: ViT-Tiny's `L2`
+    at batch 8 was predicted 1.45-1.55x against 1.69-1.87x measured. Planning now times two steps storing every
+    eligible tensor in 4 bits against two storing nothing lossily, and scales every lossy tensor's price by what
+    they measured over what the probes priced (there x1.37-1.56: 1.66x predicted against 1.69x). The scale is the
+    plan's, in its summary and its JSON."""
+    model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0)
+    zoomem.wrap(model, level="L2", batch=batch)
+    handle = model.__dict__["_zoomem"]
+    (plan,) = handle.plans.values()
+    costs = next(iter(handle.planning.values())).costs
+    assert plan.compress_scale == costs.compress_scale != 1.0 and 0.5 <= costs.compress_scale <= 3.0
+    nbytes = {s.key: s.nbytes for s in costs.saved}
+    probes = sum(costs.compress_s_per_call[b] + costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
+    assert plan.compress_s == pytest.approx(costs.compress_scale * probes, rel=1e-12)
+    assert f"priced x{plan.compress_scale:.2f}, as measured in this step" in plan.summary()
+    assert zoomem.Plan.from_json(plan.to_json()).compress_scale == plan.compress_scale
 
 
 def test_a_quantization_scratch_counts_beyond_the_work_after_it() -> None:

@@ -127,6 +127,9 @@ class CostModel:
     compress_s_per_byte: dict[int, float] = field(default_factory=dict)
     compress_s_per_call: dict[int, float] = field(default_factory=dict)
     """Seconds each lossy tensor costs beyond its bytes' (:func:`~zoomem.compress.seconds_per_call`), per width."""
+    compress_scale: float = 1.0
+    """What storing lossily measured in this model's own step over what the probes price it at (1: not measured;
+    :func:`zoomem.runtime.wrap.compression_scale`). Multiplies every lossy tensor's price."""
     grad_sq: float = 0.0
     fused_quantize: bool = False
     """(De)quantization runs in the fused Triton kernels (CUDA), which hold nothing beyond their results."""
@@ -521,7 +524,8 @@ class CostModel:
 
     def compress_seconds(self, bits: int, nbytes: int) -> float:
         """Predicted seconds to quantize and dequantize one tensor of ``nbytes`` in ``bits``."""
-        return self.compress_s_per_call.get(bits, 0.0) + self.compress_s_per_byte.get(bits, 0.0) * nbytes
+        return self.compress_scale * (
+            self.compress_s_per_call.get(bits, 0.0) + self.compress_s_per_byte.get(bits, 0.0) * nbytes)
 
     def relative_variance(self, bits: dict[str, int]) -> float:
         by_key = {s.key: s for s in self.saved}

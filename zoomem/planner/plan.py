@@ -79,6 +79,9 @@ class Plan:
         outside_compact: the modules outside every unit (a head's linear, a stem's pooling) run their exact
             compact forms.
         variance: predicted gradient variance of the lossy choices, relative to the squared gradient norm.
+        compress_s: predicted seconds per step of storing tensors lossily (quantizing and dequantizing them).
+        compress_scale: what storing lossily measured in the model's own step over the quantizer probes' price
+            (1: not measured); ``compress_s`` includes it.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
         traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
             extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.
@@ -103,6 +106,7 @@ class Plan:
     outside_compact: bool = False
     variance: float = 0.0
     compress_s: float = 0.0
+    compress_scale: float = 1.0
     saved: list[dict[str, Any]] = field(default_factory=list)
     traced_at: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
@@ -164,6 +168,7 @@ class Plan:
                 f"({lossy / _MIB:.1f} MiB, {avg:.2f} bits on average"
                 + "".join(f"; {n / _MIB:.1f} MiB in {b} bits" for b, n in sorted(hist.items()))
                 + f"){'; offloaded' if self.offload else ''}; predicted relative gradient variance {self.variance:.2e}"
+                + (f"; priced x{self.compress_scale:.2f}, as measured in this step" if self.compress_scale != 1 else "")
             )
         return "\n".join(lines)
 

@@ -531,6 +531,7 @@ def make_plan(
         outside_compact=OUTSIDE_UNITS in compact,
         variance=model.relative_variance(bits),
         compress_s=model.compress_time(bits),
+        compress_scale=model.compress_scale,
         saved=[s.to_dict() for s in model.saved],
         step_s=model.step_s,
         solver=info.get("solver", ""),
