@@ -129,7 +129,7 @@ class CostModel:
     """Seconds each lossy tensor costs beyond its bytes' (:func:`~zoomem.compress.seconds_per_call`), per width."""
     compress_scale: float = 1.0
     """What storing lossily measured in this model's own step over what the probes price it at (1: not measured;
-    :func:`zoomem.runtime.wrap.compression_scale`). Multiplies every lossy tensor's price."""
+    :func:`zoomem.runtime.wrap._compression_scale`). Multiplies every lossy tensor's price."""
     grad_sq: float = 0.0
     fused_quantize: bool = False
     """(De)quantization runs in the fused Triton kernels (CUDA), which hold nothing beyond their results."""

@@ -403,7 +403,7 @@ def _make(
                            fused=use_triton(torch.empty(0, device=device), GROUP_SIZE),
                            seconds_per_call={b: seconds_per_call(device, b) for b in widths})
         if handle is not None and scale is None:  # a step at the batch runs here (not so when extrapolated)
-            costs.compress_scale = compression_scale(handle, costs, infos, chosen_units, batch, adapter, loss_fn,
+            costs.compress_scale = _compression_scale(handle, costs, infos, chosen_units, batch, adapter, loss_fn,
                                                      units, time_limit)
     if level is not None:
         new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
@@ -538,7 +538,7 @@ _SCALE_RANGE = (0.5, 3.0)
 _SCALE_MIN_SHARE = 0.05
 
 
-def compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInfo], chosen_units: frozenset[str],
+def _compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInfo], chosen_units: frozenset[str],
                       batch: Batch, adapter: Adapter, loss_fn: Callable[[Any, Batch], torch.Tensor] | None,
                       units: list[Unit], time_limit: float) -> float:
     """What storing tensors lossily costs in this model's step over what the quantizer's probes price it at.
