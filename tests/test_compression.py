@@ -718,10 +718,11 @@ def test_each_lossy_tensor_is_priced_its_fixed_time_too() -> None:
 def test_lossy_prices_are_measured_in_the_step() -> None:
     """The quantizer's probes time one tensor alone. In a step the same tensors cost more or less, the store's work
     comes with them, and the step's timeline (every overhead's denominator) runs under the meter: ViT-Tiny's `L2`
-    at batch 8 was predicted 1.45-1.55x against 1.69-1.87x measured. Planning now times two steps storing every
-    eligible tensor in 4 bits against two storing nothing lossily, and scales every lossy tensor's price by what
+    at batch 8 was predicted 1.45-1.55x against 1.69-1.87x measured. Planning now times three steps storing every
+    eligible tensor in 4 bits against three storing nothing lossily, and scales every lossy tensor's price by what
     they measured over what the probes priced (there x1.37-1.56: 1.66x predicted against 1.69x). The scale is the
-    plan's, in its summary and its JSON."""
+    plan's, in its summary and its JSON, and measured once per input signature: every plan of that step is priced
+    alike."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0)
     zoomem.wrap(model, level="L2", batch=batch)
     handle = model.__dict__["_zoomem"]
@@ -733,6 +734,8 @@ def test_lossy_prices_are_measured_in_the_step() -> None:
     assert plan.compress_s == pytest.approx(costs.compress_scale * probes, rel=1e-12)
     assert f"priced x{plan.compress_scale:.2f}, as measured in this step" in plan.summary()
     assert zoomem.Plan.from_json(plan.to_json()).compress_scale == plan.compress_scale
+    assert zoomem.plan(model, batch, level="L1.2").compress_scale == plan.compress_scale
+    assert list(handle.compress_scales.values()) == [plan.compress_scale]
 
 
 def test_a_quantization_scratch_counts_beyond_the_work_after_it() -> None:
