@@ -1436,6 +1436,13 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
                 if attempt == 0:
                     methods.remove(m)
                     min_budget = max(m.info["min_budget_bytes"], int(min_budget * 1.001) + 1)
+        least = next((m for m in methods if m.key == "lossless@min" and m.plan is not None), None)
+        if mode == "combined" and least is not None:  # it covers every lossless plan: at their floor's budget too
+            at = least.info["budget_bytes"]
+            m = _Method("combined@lossless min", _MODES[mode], mode, model, optimizer, loss_fn,
+                        budget=f"lossless min ({at / baseline:.0%})", budget_frac=at / baseline)
+            m.info["budget_bytes"] = at
+            planned(m, lambda: zoomem.plan(model, batch, at, compress=compress, **common))
         if args.matched:
             _plan_below_others(methods, mode, min_budget, baseline, planned,
                                lambda b: zoomem.plan(model, batch, b, compress=compress, **common))
@@ -1565,9 +1572,10 @@ def compare_modes(r: dict[str, Any]) -> dict[str, Any]:
         return m
 
     suffixes = [m["method"].split("@")[1] for m in r["methods"] if m["kind"] in ("lossless", "combined")]
-    entries = [(s, state("lossless", s), state("combined", s)) for s in dict.fromkeys(suffixes) if s != "min"]
+    entries = [(s, state("lossless", s), state("combined", s)) for s in dict.fromkeys(suffixes)
+               if s not in ("min", "lossless min")]
     entries += [(f"{mode} min", by_key[f"{mode}@min"] if mode == "lossless" else None,
-                 by_key[f"{mode}@min"] if mode == "combined" else None)
+                 by_key.get("combined@lossless min") if mode == "lossless" else by_key[f"{mode}@min"])
                 for mode in ("lossless", "combined") if f"{mode}@min" in by_key]
     budgets = []
     for name, lossless, combined in entries:

@@ -140,6 +140,11 @@ def test_bench_compress_quick(tmp_path):
         for frac in (0.8, 0.5):
             key = f"{mode}@{frac:.0%}"
             assert (key in methods) != any(s["mode"] == mode and s["budget_frac"] == frac for s in r["skipped_budgets"])
+    rows = {b["budget"]: b for b in r["comparison"]["budgets"]}
+    if "error" not in methods.get("lossless@min", {"error": ""}):  # the combined mode at lossless planning's floor
+        at = methods["combined@lossless min"]
+        assert at["budget_bytes"] == methods["lossless@min"]["budget_bytes"]
+        assert rows["lossless min"]["combined"]["method"] == "combined@lossless min"
     below = {k: m for k, m in methods.items() if "@<" in k}  # both modes just below a level's or plan's peak
     assert any(k.startswith("combined@<") for k in below) and data["settings"]["matched_budgets"]
     for key, m in below.items():  # "combined@<L1.1", "lossless@<lossless 80%", ...
