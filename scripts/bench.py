@@ -1513,9 +1513,11 @@ def _plan_below_others(methods: list[_Method], mode: str, min_budget: int | None
     plan made at a fraction or the minimum (by :data:`MATCHED_GAP` of PyTorch's peak, beyond the verdict's margin):
     that plan fits a little above, so the program answers whether it gets lower at no more time. Both modes get the
     same anchors. Lowest first. A budget is left out when a plan of this mode already made answers it: one whose
-    budget is at least this one and whose predicted peak is at most it (the program's fastest plan there is that
-    one), or one within a quarter of the margin (the same plan, or nearly); and below a minimum an infeasible budget
-    named. A plan at a lower budget does not answer it: it may take more time."""
+    budget is at least this one and whose predicted peak fits it with the planner's safety margin (the program's
+    fastest plan there is that one), or one within a quarter of the margin (the same plan, or nearly); and below a
+    minimum an infeasible budget named. A plan at a lower budget does not answer it: it may take more time."""
+    from zoomem.planner import solve
+
     gap, near = int(MATCHED_GAP * baseline), COMBINED_MARGIN * baseline / 4
     made = [(m.info["budget_bytes"], m.plan.predicted_peak_bytes) for m in methods
             if m.kind == mode and m.plan is not None]
@@ -1524,7 +1526,7 @@ def _plan_below_others(methods: list[_Method], mode: str, min_budget: int | None
     for anchor in sorted(anchors, key=lambda m: m.plan.predicted_peak_bytes):
         budget = int(anchor.plan.predicted_peak_bytes) - gap
         if (min_budget is not None and budget < min_budget) or any(
-                peak <= budget <= b or abs(budget - b) <= near for b, peak in made):
+                peak * (1 + solve.SAFETY_MARGIN) <= budget <= b or abs(budget - b) <= near for b, peak in made):
             continue
         name = anchor.key.replace("@", " ")
         m = _Method(f"{mode}@<{name}", _MODES[mode], mode, anchor.model, anchor.optimizer, anchor.loss_fn,

@@ -243,9 +243,11 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
         return m
 
     methods = [method("L0", "level", 1000, lossy=0), method("L1.1", "level", 500), method("L1.2", "level", 495),
+               method("L1", "level", 540),
                method("L2.2", "level", 470), method("lossless@min", "lossless", 520),
                method("lossless@90%", "lossless", 560), method("combined@50%", "combined", 508, budget_mib=510),
                method("combined@60%", "combined", 540, budget_mib=600),
+               method("combined@56%", "combined", 524, budget_mib=560),  # 524 MiB fit 527.5 but not with 1% to spare
                method("lossless@<L2.2", "lossless", 300)]  # itself matched: no anchor
 
     def planned(m, make):
@@ -262,12 +264,12 @@ def test_combined_budgets_below_other_plans_lowest_first_and_spaced():
         return SimpleNamespace(predicted_peak_bytes=budget)
 
     bench._plan_below_others(methods, "combined", None, baseline, planned, plan)
-    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[9:]}
+    made = {m.key: m.info["budget_bytes"] / MIB for m in methods[11:]}
     # L2.2's budget (457.5) is infeasible. L1.1's (487.5) is 5 MiB above L1.2's: planned, that plan may take more
-    # time. lossless@min's (507.5) is within 2.5 MiB of combined@50%'s 510; combined@60% (600, peak 540) answers
-    # lossless@90%'s 547.5 on its own; nothing answered lossless@90%'s before it was made
-    assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5, "combined@<L1.1": 487.5}
-    assert methods[9].plan is None and methods[10].plan is not None
+    # time. lossless@min's (507.5) is within 2.5 MiB of combined@50%'s 510. combined@56% (560, peak 524) would answer
+    # L1's 527.5 only without the planner's 1% margin; combined@60% (600, peak 540) answers lossless@90%'s 547.5
+    assert made == {"combined@<L2.2": 457.5, "combined@<L1.2": 482.5, "combined@<L1.1": 487.5, "combined@<L1": 527.5}
+    assert methods[11].plan is None and methods[12].plan is not None
 
 
 def test_bench_accuracy_quick(tmp_path):
