@@ -1436,8 +1436,9 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
                 if attempt == 0:
                     methods.remove(m)
                     min_budget = max(m.info["min_budget_bytes"], int(min_budget * 1.001) + 1)
-        least = next((m for m in methods if m.key == "lossless@min" and m.plan is not None), None)
-        if mode == "combined" and least is not None:  # it covers every lossless plan: at their floor's budget too
+        # the combined mode covers every lossless plan: at their floor's budget too
+        least = next((m for m in methods if m.key == "lossless@min" and m.plan is not None and mode == "combined"), None)
+        if least is not None:
             at = least.info["budget_bytes"]
             m = _Method("combined@lossless min", _MODES[mode], mode, model, optimizer, loss_fn,
                         budget=f"lossless min ({at / baseline:.0%})", budget_frac=at / baseline)
