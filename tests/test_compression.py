@@ -738,6 +738,24 @@ def test_lossy_prices_are_measured_in_the_step() -> None:
     assert list(handle.compress_scales.values()) == [plan.compress_scale]
 
 
+def test_lossy_prices_stay_the_probes_where_timing_the_step_runs_out_of_memory(monkeypatch) -> None:
+    """Timing lossy storage runs the step at the batch, which on a device may fit only as planned: out of memory
+    there, the plan is still made, at the probes' prices (an allocation failure is raised by the device, not
+    reproducible on this CPU: the step's timeline raises it here)."""
+    import sys
+
+    wrap_module = sys.modules["zoomem.runtime.wrap"]
+
+    def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(wrap_module, "_measured_timeline", out_of_memory)
+    model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0)
+    zoomem.wrap(model, level="L2", batch=batch)
+    (plan,) = model.__dict__["_zoomem"].plans.values()
+    assert plan.bits and plan.compress_scale == 1.0
+
+
 def test_a_quantization_scratch_counts_beyond_the_work_after_it() -> None:
     """Quantizing a tensor holds its scratch (noise, scaled values, codes: about 2.3x a 1 MiB tensor at 2 bits) at
     the saving only; the stretch of forward it opens peaks later, when the work after it has let go of that.
