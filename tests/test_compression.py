@@ -720,9 +720,9 @@ def test_lossy_prices_are_measured_in_the_step() -> None:
     comes with them, and the step's timeline (every overhead's denominator) runs under the meter: ViT-Tiny's `L2`
     at batch 8 was predicted 1.45-1.55x against 1.69-1.87x measured. Planning now times three steps storing every
     eligible tensor in 4 bits against three storing nothing lossily, and scales every lossy tensor's price by what
-    they measured over what the probes priced (there x1.37-1.56: 1.66x predicted against 1.69x). The scale is the
-    plan's, in its summary and its JSON, and measured once per input signature: every plan of that step is priced
-    alike."""
+    they measured over what the probes priced (x1.37-1.56 in one-off runs there: 1.66x predicted against 1.69x).
+    The scale is the plan's, in its summary and its JSON, and measured once per input signature: every plan of
+    that step is priced alike."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0)
     zoomem.wrap(model, level="L2", batch=batch)
     handle = model.__dict__["_zoomem"]

@@ -555,8 +555,9 @@ def _compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInf
     eligible tensor in 4 bits, and three under the same plan storing nothing lossily, measured as the timeline is,
     in turns; the difference of the fastest of each, over the price of those tensors, clamped to ``[0.5, 3]``. 1
     where the price is under 5% of the step (the difference would be noise), a profiler or meter is running, or a
-    step runs out of memory (the batch fits the device only as planned). Measured once per input signature of a wrapped model (:attr:`_Handle.compress_scales`): measured for each
-    plan, it put ResNet-50's levels (b4) at 1.33-1.76x predicted in one run, all measured at 1.45-1.48x."""
+    step runs out of memory (the batch fits the device only as planned). Measured once per input signature of a
+    wrapped model (:attr:`_Handle.compress_scales`): measured for each plan, it put ResNet-50's levels (b4) at
+    1.33-1.76x predicted in one run, all measured at 1.44-1.48x (BENCHMARKS.md)."""
     lossy = _level_plan(costs, infos, get_level("L1"), chosen_units, time_limit)
     if not lossy.bits or lossy.compress_s < _SCALE_MIN_SHARE * costs.step_s:
         return 1.0
