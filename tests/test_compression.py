@@ -736,6 +736,8 @@ def test_lossy_prices_are_measured_in_the_step() -> None:
     assert zoomem.Plan.from_json(plan.to_json()).compress_scale == plan.compress_scale
     assert zoomem.plan(model, batch, level="L1.2").compress_scale == plan.compress_scale
     assert list(handle.compress_scales.values()) == [plan.compress_scale]
+    zoomem.plan(model, adapter.sub_batch(batch, 1), level="L2")  # a new input signature is measured on its own
+    assert len(handle.compress_scales) == 2
 
 
 def test_lossy_prices_stay_the_probes_where_timing_the_step_runs_out_of_memory(monkeypatch) -> None:
