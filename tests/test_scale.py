@@ -49,6 +49,9 @@ def test_trace_sizes_and_time_extrapolation() -> None:
     assert s.seconds(1.0, 2.0) == 16.0  # proportional from the larger trace at most ...
     assert s.seconds(1.9, 2.0) == pytest.approx(2.0 + 0.1 * 14)  # ... the affine fit inside the bounds ...
     assert s.seconds(2.5, 2.0) == 2.0  # ... and never below the larger trace's time (noise at small batches)
+    assert s.seconds(-1.0, -2.0) == -16.0  # a compact form's credit: the same bounds, mirrored
+    assert s.seconds(-1.9, -2.0) == pytest.approx(-2.0 - 0.1 * 14)
+    assert s.seconds(-2.5, -2.0) == -2.0
 
 
 @pytest.mark.parametrize("model_id, tolerance", [

@@ -43,7 +43,8 @@ class InfeasibleBudgetError(ValueError):
 
 @dataclass
 class UnitPlan:
-    """One unit's decision and what it costs: bytes kept at the end of forward, seconds of recompute.
+    """One unit's decision and what it costs: bytes kept at the end of forward, seconds of recompute and of its
+    compact forms (negative where they run faster than the stock ops).
 
     ``compact`` switches on the memory-efficient implementations of the modules inside the unit (bit-packed
     masks, output-activated norms, compact pooling indices, split backward): exact storage forms, no recompute.
@@ -70,7 +71,8 @@ class Plan:
         fixed_bytes: bytes that exist before the step (parameters, buffers, batch, optimizer state).
         predicted_peak_bytes: the peak of forward+backward the plan predicts (fixed bytes included).
         baseline_peak_bytes: the same prediction for plain PyTorch.
-        recompute_s: predicted extra seconds per step.
+        recompute_s: predicted extra seconds per step of recomputation and compact forms (negative where the
+            forms run faster than the stock ops).
         step_s: measured seconds of the traced step's ops (for the overhead ratio).
         solver: solver name and status, ``lp_bound`` the LP relaxation's objective, ``solve_s`` the time.
         bits: saved-tensor key (``"<region>#<k>"``) -> bits it is stored in; absent keys are stored exact.
@@ -131,7 +133,7 @@ class Plan:
 
     def summary(self) -> str:
         """Per unit: decision, bytes kept, recompute cost; then the predicted peak against plain PyTorch."""
-        head = f"{'unit':<34} {'decision':<26} {'kept MiB':>9} {'recompute ms':>13}"
+        head = f"{'unit':<34} {'decision':<26} {'kept MiB':>9} {'extra ms':>13}"
         lines = [
             f"zoomem plan ({self.strategy}{', ' + self.solver if self.solver else ''}, status {self.status}, "
             f"solved in {self.solve_s:.2f} s)",

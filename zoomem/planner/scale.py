@@ -39,11 +39,12 @@ class Scale:
 
     def seconds(self, a: float, b: float) -> float:
         """A time at ``target``: the affine extrapolation, kept between the larger trace's time and that time
-        scaled in proportion (small-batch times are noisy, and fixed per-op costs do not grow)."""
+        scaled in proportion (small-batch times are noisy, and fixed per-op costs do not grow). A negative time
+        (a compact form's credit) is kept between the same two."""
         if b == float("inf") or a == float("inf"):
             return float("inf")
-        hi = b * self.target / self.large
-        return min(max(a + (b - a) * (self.target - self.small) / (self.large - self.small), b), hi)
+        lo, hi = sorted((b, b * self.target / self.large))
+        return min(max(a + (b - a) * (self.target - self.small) / (self.large - self.small), lo), hi)
 
     def sizes(self) -> list[int]:
         """``[small, large, target]``, as :attr:`zoomem.Plan.traced_at` records them."""

@@ -68,7 +68,7 @@ def _decisions_greedy(model: CostModel, budget: int | None) -> Choice:
                 moves.append((u, None))  # None: switch on the unit's compact implementations
         for u, d in moves:
             if d is None:
-                trial_d, trial_c, cost = decisions, compact | {u}, model.compact_s.get(u, 0.0)
+                trial_d, trial_c, cost = decisions, compact | {u}, max(0.0, model.compact_s.get(u, 0.0))
             else:
                 cost = model.recompute_time({u: d})
                 if cost == float("inf"):
@@ -348,9 +348,14 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= gain[p.phase, p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
-    time_cost = pulp.lpSum(
-        v * (model.recompute_time({u: d}) + (model.compact_s.get(u, 0.0) if on else 0.0)) for (u, d, on), v in x.items()
-    )
+    seconds = {(u, d, on): model.recompute_time({u: d}) + (model.compact_s.get(u, 0.0) if on else 0.0)
+               for u, d, on in x}
+    # a compact form that runs faster than the stock op is a credit: every mode of its unit is charged that much
+    # more (one mode per unit: a constant, which keeps the objective non-negative, so the 2% gap of MIP_GAP stays
+    # a share of seconds spent, not of a sum near zero), in the variables' coefficients (PuLP leaves an
+    # objective's constant out of what the solver sees: taken off there, the objective's value is seconds again)
+    shift = {u: max(0.0, -min(t for (w, _, _), t in seconds.items() if w == u)) for u in model.units}
+    time_cost = pulp.lpSum(v * (seconds[k] + shift[k[0]]) for k, v in x.items()) - sum(shift.values())
     if q:
         assert compress is not None
         # seconds charged per unit of predicted gradient variance: one step per `variance_tolerance` of ||g||^2
@@ -447,7 +452,9 @@ def make_plan(
     ``compress`` (ILP only) lets the program store saved tensors lossily (:meth:`CostModel.attach_saved`).
 
     The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
-    error reports. ``time_limit`` bounds the whole plan (the greedy warm start, building the program, solving it,
+    error reports. A budget that plain PyTorch's measured peak fits gets plain PyTorch's plan, or, where some unit's
+    compact forms run faster than the stock ops (:attr:`CostModel.compact_s`), the program's fastest plan if it is
+    faster and fits with the margin. ``time_limit`` bounds the whole plan (the greedy warm start, building the program, solving it,
     its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
     bound is skipped (``None``) when nothing is left. After a failure the least-peak program runs (up to
     ``time_limit`` more): its peak is the smallest feasible budget the error names, or, where its plan fits (the
@@ -464,13 +471,22 @@ def make_plan(
     info: dict = {"solver": "", "status": "optimal"}  # type: ignore[type-arg]
     target = None if budget is None else int(budget / (1 + margin))
     baseline = model.peak(*_decisions_none(model, None))
+    faster_within = None
     if budget is not None and budget >= baseline and strategy in ("ilp", "greedy"):
         target = None  # plain PyTorch fits: its peak is measured, not predicted, so it needs no margin
+        if strategy == "ilp" and any(model.compact_s.get(u, 0.0) < 0 for u in model.compact_saving):
+            faster_within = int(budget / (1 + margin))  # but some compact form runs faster: where it fits, use it
     choice: Choice | None
     if compress is not None and strategy != "ilp":
         raise ValueError(f"Compression under a budget is planned by the ILP; strategy {strategy!r} cannot plan it.")
     if strategy == "ilp":
         choice, info = _decisions_ilp(model, target, time_limit, compress, deadline=t0 + time_limit)
+        if faster_within is not None:
+            faster, faster_info = _decisions_ilp(model, faster_within, time_limit, compress,
+                                                 deadline=t0 + time_limit)
+            if faster is not None and model.peak(*faster) <= faster_within and model.recompute_time(
+                    faster[0], faster[1]) + model.compress_time(faster[2]) < 0:
+                choice, info = faster, faster_info
     else:
         choice = STRATEGIES[strategy](model, target)
     peak = model.peak(*choice) if choice else None
