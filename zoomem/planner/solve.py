@@ -445,7 +445,7 @@ SAFETY_MARGIN = 0.01
 
 def make_plan(
     model: CostModel, budget: int | None, strategy: str = "ilp", time_limit: float = 10.0,
-    margin: float = SAFETY_MARGIN, compress: CompressOptions | None = None,
+    margin: float = SAFETY_MARGIN, compress: CompressOptions | None = None, faster_forms: bool = True,
 ) -> Plan:
     """Plan under ``budget`` bytes (whole forward+backward peak, fixed bytes included).
 
@@ -454,8 +454,9 @@ def make_plan(
     The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
     error reports. A budget that plain PyTorch's measured peak fits gets plain PyTorch's plan, or, where some unit's
     compact forms run faster than the stock ops (:attr:`CostModel.compact_s`), the program's fastest plan if it is
-    faster and fits with the margin. ``time_limit`` bounds the whole plan (the greedy warm start, building the program, solving it,
-    its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
+    faster and fits with the margin (``faster_forms=False``: plain PyTorch's plan, what a run that measured the
+    faster plan above such a budget falls back to). ``time_limit`` bounds the whole plan (the greedy warm start,
+    building the program, solving it, its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
     bound is skipped (``None``) when nothing is left. After a failure the least-peak program runs (up to
     ``time_limit`` more): its peak is the smallest feasible budget the error names, or, where its plan fits (the
     budgeted program found none in time: the combined one has no greedy start), the program runs again from that
@@ -474,7 +475,7 @@ def make_plan(
     faster_within = None
     if budget is not None and budget >= baseline and strategy in ("ilp", "greedy"):
         target = None  # plain PyTorch fits: its peak is measured, not predicted, so it needs no margin
-        if strategy == "ilp" and any(model.compact_s.get(u, 0.0) < 0 for u in model.compact_saving):
+        if strategy == "ilp" and faster_forms and any(model.compact_s.get(u, 0.0) < 0 for u in model.compact_saving):
             faster_within = int(budget / (1 + margin))  # but some compact form runs faster: where it fits, use it
     choice: Choice | None
     if compress is not None and strategy != "ilp":

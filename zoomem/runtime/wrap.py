@@ -488,9 +488,9 @@ def _make(
                         "again for %.1f MiB", measured / _MIB, budget_bytes / _MIB, new.predicted_peak_bytes / _MIB,
                         budget_bytes / (1 + margin) / _MIB)
         planning = new.extras.get("_planning")
-        try:
+        try:  # a budget plain PyTorch's measured peak fits gets plain PyTorch's plan rather than lower aims
             new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=margin,
-                            compress=compress)
+                            compress=compress, faster_forms=budget_bytes < new.baseline_peak_bytes)
         except InfeasibleBudgetError:  # nothing predicted that low: the measured overshoot is the answer
             break
         new.traced_at = traced_at
