@@ -239,3 +239,26 @@ def test_a_compact_form_that_runs_faster_is_credited(gcn_costs: CostModel) -> No
     plain = make_plan(slower, baseline)
     assert not any(u.compact for u in plain.units) and plain.recompute_s == 0
     assert all(u.decision == Decision.KEEP for u in plain.units)
+
+
+def test_the_outside_forms_are_timed_where_code_outside_the_units_runs() -> None:
+    """The forms outside the units are timed over the segments where that code runs (ResNet's stem and head), not
+    over the whole step: the units' segments differ between two runs by their noise only."""
+    import dataclasses
+
+    from zoomem.planner import OUTSIDE_UNITS
+    from zoomem.runtime.wrap import cost_model
+
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=8)
+    costs, _, graph = cost_model(model, batch, adapter)
+    assert graph.timeline_outside and OUTSIDE_UNITS in costs.compact_s
+    units = len(costs.units)
+    graph.timeline_outside = [dataclasses.replace(t, time_s=t.time_s + (1.0 if 1 <= t.seg <= units else 0.0))
+                              for t in graph.timeline_outside]  # a second of noise in every unit's segments
+    noisy = CostModel.from_graph(graph)
+    assert noisy.compact_s[OUTSIDE_UNITS] == pytest.approx(costs.compact_s[OUTSIDE_UNITS])
+    graph.timeline_outside = [dataclasses.replace(t, time_s=t.time_s + (0.5 if t.seg in (0, units + 1) else 0.0))
+                              for t in graph.timeline_outside]  # and half a second where the stem and head run
+    slower = CostModel.from_graph(graph).compact_s[OUTSIDE_UNITS]
+    stretches = sum(t.seg in (0, units + 1) for t in graph.timeline_outside)
+    assert slower == pytest.approx(costs.compact_s[OUTSIDE_UNITS] + 0.5 * stretches)

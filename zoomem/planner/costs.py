@@ -251,7 +251,11 @@ class CostModel:
         if graph.timeline_outside and [(t.seg, t.phase) for t in graph.timeline_outside] == [
                 (t.seg, t.phase) for t in graph.timeline]:
             outside_gain = [p.measured - o.measured for p, o in zip(points, _points(graph.timeline_outside, head))]
-            outside_s = sum(o.time_s - t.time_s for t, o in zip(graph.timeline, graph.timeline_outside))
+            # timed over the segments where code outside the units runs (stem, head, between units): the units'
+            # own segments would add their noise only (GPT-2's whole-step difference ranged 0.3 s over plans)
+            outside_segs = {fwd_seg[op.index] for op in graph.forward_ops if op.unit not in seg_of_unit}
+            outside_s = sum(o.time_s - t.time_s for t, o in zip(graph.timeline, graph.timeline_outside)
+                            if t.seg in outside_segs)
             base = graph.timeline_outside
 
         # RECOMPUTE_CHEAP caches matmul/conv outputs; a unit that later mutates one in place cannot use it
