@@ -252,7 +252,8 @@ class CostModel:
                 (t.seg, t.phase) for t in graph.timeline]:
             outside_gain = [p.measured - o.measured for p, o in zip(points, _points(graph.timeline_outside, head))]
             # timed over the segments where code outside the units runs (stem, head, between units): the units'
-            # own segments would add their noise only (GPT-2's whole-step difference ranged 0.3 s over plans)
+            # own segments would add their noise only (ResNet-50, b4: -0.22..-0.02 s over four cost models, its
+            # stem's and head's -0.05..+0.03 s)
             outside_segs = {fwd_seg[op.index] for op in graph.forward_ops if op.unit not in seg_of_unit}
             outside_s = sum(o.time_s - t.time_s for t, o in zip(graph.timeline, graph.timeline_outside)
                             if t.seg in outside_segs)

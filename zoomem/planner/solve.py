@@ -451,16 +451,16 @@ def make_plan(
 
     ``compress`` (ILP only) lets the program store saved tensors lossily (:meth:`CostModel.attach_saved`).
 
-    The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an
-    error reports. A budget that plain PyTorch's measured peak fits gets plain PyTorch's plan, or, where some unit's
+    The plan's predicted peak stays ``margin`` below the budget, and so does the smallest feasible budget an error
+    reports. A budget that plain PyTorch's measured peak fits gets plain PyTorch's plan, or, where some unit's
     compact forms run faster than the stock ops (:attr:`CostModel.compact_s`), the program's fastest plan if it is
     faster and fits with the margin (``faster_forms=False``: plain PyTorch's plan, what a run that measured the
     faster plan above such a budget falls back to). ``time_limit`` bounds the whole plan (the greedy warm start,
-    building the program, solving it, its LP bound), not each solver call: the program gets what is left, at least :data:`MIN_SOLVER_S`, and the LP
-    bound is skipped (``None``) when nothing is left. After a failure the least-peak program runs (up to
-    ``time_limit`` more): its peak is the smallest feasible budget the error names, or, where its plan fits (the
-    budgeted program found none in time: the combined one has no greedy start), the program runs again from that
-    plan (up to ``time_limit`` more), which is the plan if nothing better comes back.
+    building the program, solving it, its LP bound), not each solver call: the program gets what is left, at least
+    :data:`MIN_SOLVER_S`, and the LP bound is skipped (``None``) when nothing is left. After a failure the
+    least-peak program runs (up to ``time_limit`` more): its peak is the smallest feasible budget the error names,
+    or, where its plan fits (the budgeted program found none in time: the combined one has no greedy start), the
+    program runs again from that plan (up to ``time_limit`` more), which is the plan if nothing better comes back.
 
     Raises:
         InfeasibleBudgetError: no plan of this strategy fits; the message names the smallest budget that has one.
