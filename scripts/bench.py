@@ -347,7 +347,8 @@ SOLVE_SIZES: dict[str, BenchSize] = {
 COMPILE_MODELS = tuple(SWEEP_SIZES)
 """Models the sweep tries ``torch.compile`` (with an activation memory budget) on: every one, as issue 3 asks
 ("where it runs"); one that does not compile within ``--compile-timeout`` is reported so. (Until stop 29 only
-ResNet-50; the GCN and ViT-Tiny were then measured with ``--compile-models``, BENCHMARKS.md.)"""
+ResNet-50; the GCN, ViT-Tiny, BERT-base, GPT-2 and BERT-large were then measured with ``--compile-models``,
+BENCHMARKS.md.)"""
 
 TARGET_OVERHEAD = 1.10
 TARGET_PEAK_RATIO = 1 / 3
