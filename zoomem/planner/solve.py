@@ -354,7 +354,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     # more (one mode per unit: a constant, which keeps the objective non-negative, so the 2% gap of MIP_GAP stays
     # a share of seconds spent, not of a sum near zero), in the variables' coefficients (PuLP leaves an
     # objective's constant out of what the solver sees: taken off there, the objective's value is seconds again)
-    shift = {u: max(0.0, -min(t for (w, _, _), t in seconds.items() if w == u)) for u in model.units}
+    shift = dict.fromkeys(model.units, 0.0)
+    for (u, _, _), t in seconds.items():
+        shift[u] = max(shift[u], -t)
     time_cost = pulp.lpSum(v * (seconds[k] + shift[k[0]]) for k, v in x.items()) - sum(shift.values())
     if q:
         assert compress is not None
