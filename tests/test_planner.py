@@ -200,20 +200,17 @@ def test_a_compact_form_that_runs_faster_is_credited(gcn_costs: CostModel) -> No
     row = next(line for line in plan.summary().splitlines() if line.startswith(fast + " "))
     assert float(row.split()[-1]) < 0  # the unit's extra milliseconds
 
-    # against brute force over each unit's decision and compact switch
-    modes = []
-    for u in costs.units:
-        m = [(Decision.KEEP, False), (Decision.RECOMPUTE, False)]
-        if u in costs.compact_saving:
-            m.append((Decision.KEEP, True))
-            if u in costs.compact_recompute:
-                m.append((Decision.RECOMPUTE, True))
-        modes.append(m)
+    # against brute force over every valid choice of decisions and, where the program allows, compact switches
+    def switchable(u: str, d: Decision) -> bool:
+        return u in costs.compact_saving and (d == Decision.KEEP or (
+            d in (Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN) and u in costs.compact_recompute))
+
     everything = []
-    for combo in itertools.product(*modes):
-        d = {u: dec for u, (dec, _) in zip(costs.units, combo)}
-        c = frozenset(u for u, (_, on) in zip(costs.units, combo) if on)
-        everything.append((costs.peak(d, c), costs.recompute_time(d, c)))
+    for d in _choices(costs):
+        free = [u for u in costs.units if switchable(u, d[u])]
+        for on in itertools.product((False, True), repeat=len(free)):
+            c = frozenset(u for u, o in zip(free, on) if o)
+            everything.append((costs.peak(d, c), costs.recompute_time(d, c)))
     credit = sum(-min(0.0, costs.compact_s[u]) for u in costs.compact_saving)  # the outside forms' is no variable
     floor = min(p for p, _ in everything)
     for frac in (0.1, 0.5, 0.9):
