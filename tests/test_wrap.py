@@ -412,6 +412,27 @@ def test_dropped_inputs_come_back_bitwise(model_id: str) -> None:
     assert held["sqrt"] < held["all"]
 
 
+@pytest.mark.parametrize("model_id", ["timm/hrnet_w18_small", "timm/densenet121"])
+def test_units_whose_list_inputs_change_after_the_call_recompute_what_they_ran_on(model_id: str) -> None:
+    """HRNet's stages fill their input list with their branches' outputs; DenseNet's blocks append each layer's
+    output to the list the layer got. Recomputing from those lists as they are in backward gave HRNet gradients
+    100% off and made DenseNet fail; every unit recomputed must give plain PyTorch's gradients, bitwise."""
+    model, adapter = zoo.build(model_id, num_classes=10)
+    batch = adapter.example_batch(model, 2, image_size=64)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    zoomem.wrap(model, 10**12, strategy="all", adapter=adapter, batch=batch)
+    plan = next(iter(model._zoomem.plans.values()))
+    assert all(u.decision == Decision.RECOMPUTE for u in plan.units)
+    loss, grads, _ = _step(model, adapter, batch)
+    zoomem.unwrap(model)
+    assert torch.equal(loss, ref_loss)
+    for k, g in ref_grads.items():
+        assert torch.equal(grads[k], g), f"{model_id}: gradient of {k} differs"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference.state_dict()[k]), f"{model_id}: {k} differs after the step"
+
+
 def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
     from zoomem.planner import CostModel
 

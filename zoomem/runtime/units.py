@@ -1,7 +1,11 @@
 """Run one unit as its plan says: as is, or under a non-reentrant checkpoint (full or cheap-ops-only).
 
 Recomputation goes through ``torch.utils.checkpoint`` (``use_reentrant=False``, RNG state preserved so dropout
-masks match). Two traps it leaves to us, both handled here:
+masks match). Three traps it leaves to us, all handled here:
+- it keeps a unit's list and dict arguments by reference and calls the forward on them again in backward: a
+  forward that fills its input list in place (timm's HRNet stages) or a caller that appends to it afterwards
+  (timm's DenseNet blocks) would recompute from other tensors, silently: recomputation gets copies of the
+  containers as they were when the unit was called;
 - recomputing a unit that holds BatchNorm would update its running statistics a second time (timm's own
   checkpointing does): the recompute context restores the unit's buffers afterwards;
 - ``RECOMPUTE_CHEAP`` keeps the outputs of matmul/conv/attention ops through selective checkpointing
@@ -15,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..ops import op_spec
@@ -74,6 +79,33 @@ class _Reenterable:
     def __exit__(self, *exc: Any) -> Any:
         return self.stack.pop().__exit__(*exc)
 
+def _copy(obj: Any) -> Any:
+    """New containers (lists, tuples, dicts, registered pytree nodes) around the same leaves."""
+    return tree_map(lambda leaf: leaf, obj)
+
+
+def _as_called(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
+    """``forward``, whose second and later calls (recomputation) get the containers among the arguments as they
+    were now, fresh each time; the first call gets the caller's own, as plain PyTorch would.
+
+    The checkpoint saves top-level tensor arguments itself (through the saved-tensor hooks in force, which may
+    drop them: chained units), so those come from its call and the snapshot does not hold them."""
+    if not any(isinstance(a, (list, tuple, dict)) for a in (*args, *kwargs.values())):
+        return forward
+    snapshot = (tuple(None if isinstance(a, torch.Tensor) else _copy(a) for a in args), _copy(kwargs))
+    calls = [0]
+
+    def call(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return forward(*a, **k)
+        fresh_args, fresh_kwargs = _copy(snapshot)
+        a = tuple(x if isinstance(x, torch.Tensor) else fresh for x, fresh in zip(a, fresh_args))
+        return forward(*a, **fresh_kwargs)
+
+    return call
+
+
 def run_unit(
     module: nn.Module,
     forward: Callable[..., Any],
@@ -90,7 +122,7 @@ def run_unit(
     if decision == Decision.KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(
-        forward,
+        _as_called(forward, args, kwargs),
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
