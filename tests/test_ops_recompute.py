@@ -107,6 +107,26 @@ def test_math_attention_routes_only_the_math_path() -> None:
         assert name(F.scaled_dot_product_attention(*half, dropout_p=0.1)) != "MathAttentionBackward"
 
 
+def test_attention_with_a_learned_bias_runs_as_it_is() -> None:
+    """A mask that needs a gradient (Swin's relative-position bias) runs PyTorch's own attention under both routing
+    modes, stored lossily or not: the attention that keeps its softmax (under a lossy store) returned no gradient for
+    the mask, so HF Swin's bias table got none at ``L2``."""
+    from zoomem.ops.attention import differentiable_attention
+
+    qkv, _ = _attention_inputs("none")
+    bias = torch.randn(qkv[0].shape[-2], qkv[1].shape[-2], requires_grad=True)
+    for mode, dropout, stored in ((A.recompute_attention, 0.1, False), (A.recompute_attention, 0.1, True),
+                                  (differentiable_attention, 0.0, False)):
+        grads = []
+        for routed in (False, True):
+            torch.manual_seed(0)
+            with mode() if routed else contextlib.nullcontext(), Zf.separate_masks(stored):
+                out = F.scaled_dot_product_attention(*qkv, attn_mask=bias, dropout_p=dropout)
+            grads.append(torch.autograd.grad(out.square().sum(), bias, allow_unused=True)[0])
+        assert grads[1] is not None, (mode, stored)
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["cpu_dropout", "native_dropout"])
 @pytest.mark.parametrize("mask", ["none", "float", "causal"])
 @pytest.mark.parametrize("stored", [False, True], ids=["exact", "under_store"])

@@ -45,6 +45,8 @@ class FlashAttentionCpu(torch.autograd.Function):
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
         ctx.is_causal, ctx.scale, ctx.has_mask = is_causal, scale, mask is not None
         ctx.save_for_backward(*((mask,) if mask is not None else ()), k, q, v, lse, out)
+        # the backward's probabilities are exp(q @ k.T * scale + mask - lse): those stay exact (zoomem.runtime.probe)
+        ctx.exact_reads = (0, 1, 2, 4) if mask is not None else (0, 1, 3)
         return out, lse
 
     @staticmethod
@@ -97,7 +99,8 @@ def _bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class differentiable_attention(RoutingMode):
     """Inside the block, ``F.scaled_dot_product_attention`` calls that PyTorch would run on the CPU flash kernel
-    (CPU tensors needing a gradient, no dropout, no grouped-query expansion) run :class:`FlashAttentionCpu`:
+    (CPU tensors needing a gradient, no dropout, no grouped-query expansion, no mask that needs a gradient) run
+    :class:`FlashAttentionCpu`:
     the same values and saved tensors, and a backward that a second backward can go through. Other calls run
     as they are.
 
@@ -113,7 +116,8 @@ class differentiable_attention(RoutingMode):
         if (enable_gqa or dropout_p != 0.0 or not all(isinstance(t, torch.Tensor) for t in tensors)
                 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
                 or any(t.device.type != "cpu" for t in tensors)
-                or (attn_mask is not None and not isinstance(attn_mask, torch.Tensor))):
+                or (attn_mask is not None and not isinstance(attn_mask, torch.Tensor))
+                or (attn_mask is not None and attn_mask.requires_grad)):  # a learned bias: its gradient is aten's
             return None
         if torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale) != _FLASH:
             return None
@@ -302,8 +306,8 @@ class recompute_attention(RoutingMode):
     whenever attention dropout is on, as in training BERT or GPT-2) run :class:`MathAttention`: the same values
     and gradients, without keeping the three N x N tensors between forward and backward. Calls that go to a
     fused kernel (flash / memory-efficient attention, which keep only ``q, k, v``, the output and the row
-    log-sum-exp already), in half precision, under autocast, with grouped-query expansion or without a gradient run
-    as they are."""
+    log-sum-exp already), in half precision, under autocast, with grouped-query expansion, with a mask that needs a
+    gradient (a learned bias) or without a gradient run as they are."""
 
     target = staticmethod(F.scaled_dot_product_attention)
 
@@ -313,6 +317,7 @@ class recompute_attention(RoutingMode):
         if (enable_gqa or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in tensors)
                 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
                 or (attn_mask is not None and not isinstance(attn_mask, torch.Tensor))
+                or (attn_mask is not None and attn_mask.requires_grad)  # a learned bias (Swin's relative positions)
                 or (attn_mask is not None and is_causal) or query.dim() < 3
                 or not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]  # no broadcast batch dimensions
                 or any(t.dtype not in _EXACT_DTYPES for t in tensors)

@@ -675,6 +675,14 @@ def _row_stat_grads(
     return gx + extra.to(gx.dtype)
 
 
+def _norm_input_exact(row: int) -> tuple[int, ...]:
+    """``exact_reads`` of a norm that saves its input (index 0): exact where quantization groups mix rows
+    (:func:`zoomem.runtime.probe.row_straddling`)."""
+    from ..runtime.probe import row_straddling  # the runtime imports these ops
+
+    return (0,) if row_straddling(row) else ()
+
+
 class _LayerNorm(torch.autograd.Function):
     """Returns ``(y, *stats)``: the saved per-row statistics are outputs too, for the double backward (see
     :class:`_BatchNormAct`); :func:`layer_norm` returns ``y`` alone."""
@@ -688,6 +696,7 @@ class _LayerNorm(torch.autograd.Function):
         ctx.fallback = _needs_fallback(weight)
         if ctx.fallback:
             ctx.save_for_backward(x, weight, bias, mean, rstd)
+            ctx.exact_reads = _norm_input_exact(math.prod(normalized_shape))
             return y, mean, rstd
         ctx.save_for_backward(y, weight, bias, rstd)
         ctx._zoomem_saved_output = True
@@ -805,6 +814,7 @@ class _RMSNorm(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         if ctx.fallback:
             ctx.save_for_backward(x, weight, r)
+            ctx.exact_reads = _norm_input_exact(x.shape[-1])
         else:
             ctx.save_for_backward(y, weight, r)
             ctx._zoomem_saved_output = True
