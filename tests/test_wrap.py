@@ -433,6 +433,25 @@ def test_units_whose_list_inputs_change_after_the_call_recompute_what_they_ran_o
         assert torch.equal(v, reference.state_dict()[k]), f"{model_id}: {k} differs after the step"
 
 
+def test_the_smallest_budget_an_error_names_is_one_that_works() -> None:
+    """A small RoBERTa's least-peak plan measured 3 KiB (0.2%) above the smallest budget the program predicted, so
+    asking for the budget the error named failed verification ("measured 1.7 MiB at best; raise the budget to about
+    1.7 MiB"). The error names the measured peak where it is higher, and that budget works."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    torch.manual_seed(0)
+    model = RobertaForMaskedLM(RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=128, vocab_size=1000))
+    adapter = zoomem.get_adapter(model)
+    batch = adapter.example_batch(model, 2, seq_len=32)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        zoomem.wrap(model, 0.05, adapter=adapter, batch=batch)
+    assert f"({err.value.min_budget} bytes" in str(err.value)
+    zoomem.wrap(model, err.value.min_budget, adapter=adapter, batch=batch)
+    plan = next(iter(model._zoomem.plans.values()))
+    assert plan.extras["measured_peak_bytes"] <= err.value.min_budget
+
+
 def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
     from zoomem.planner import CostModel
 

@@ -436,6 +436,26 @@ def _make(
                     budget_bytes / _MIB)
         return plan
 
+    def measured_minimum(err: InfeasibleBudgetError) -> InfeasibleBudgetError:
+        """``err``, or where the least-peak plan measures above the smallest budget it names, the same error naming
+        the measured peak: asked for the predicted one, verification would refuse it (a few KiB over on a small
+        model), and the budget an error names must be one that works."""
+        assert handle is not None
+        try:
+            least = make_plan(costs, err.min_budget, strategy=strategy, time_limit=time_limit, margin=0.0,
+                              compress=compress)
+            peak = _measured_peak(handle, least, batch, adapter, loss_fn, units, costs.fixed_bytes)
+        except Exception as exc:  # noqa: BLE001 - no better figure: the prediction stands
+            if isinstance(exc, InfeasibleBudgetError) or is_out_of_memory(exc):
+                return err
+            raise
+        if peak <= err.min_budget:
+            return err
+        return InfeasibleBudgetError(
+            f"No plan keeps this step within {budget_bytes / _MIB:.1f} MiB ({budget_bytes} bytes): the smallest "
+            f"feasible budget is {peak / _MIB:.1f} MiB ({peak} bytes, what the least-peak plan measured; predicted "
+            f"{err.min_budget} bytes). Raise the budget to at least that, or lower the batch size.", peak)
+
     margin, unmet = SAFETY_MARGIN, None
     try:
         new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, compress=compress)
@@ -448,7 +468,7 @@ def _make(
             new = make_plan(costs, budget_bytes, strategy=strategy, time_limit=time_limit, margin=0.0,
                             compress=compress)
         except InfeasibleBudgetError:
-            return lossless_instead(err)
+            return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
         new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
@@ -504,9 +524,9 @@ def _make(
             "more than the device holds beside what else runs there, or zoomem's model of this step is off); "
             "lower the budget below the device's free memory, or lower the batch size.", int(budget_bytes)))
     return lossless_instead(InfeasibleBudgetError(
-        f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB measured {measured / _MIB:.1f} MiB at best "
-        f"(its model of this step is off by more than its margin); raise the budget to about "
-        f"{measured / _MIB:.1f} MiB or lower the batch size.",
+        f"The plans zoomem found for {budget_bytes / _MIB:.1f} MiB ({budget_bytes} bytes) measured "
+        f"{measured / _MIB:.1f} MiB ({measured} bytes) at best (its model of this step is off by more than its "
+        f"margin); raise the budget to about that or lower the batch size.",
         int(measured or budget_bytes),
     ))
 
