@@ -339,3 +339,19 @@ def test_point_errors_prints_every_point_of_a_level_plan():
     assert abs(predicted - measured) <= 0.05 * measured, head
     points = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("forward", "backward"))]
     assert len(points) >= 6 and all(p[-1] != "n/a" for p in points), proc.stdout
+
+
+def test_coverage_script_checks_models_beyond_the_matrix(tmp_path):
+    """`scripts/coverage.py` wraps a model (two PyG convolutions with edge features), compares its gradients with
+    plain PyTorch's, reports a model it cannot build, and exits 0 only when every check holds."""
+    out = tmp_path / "coverage.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "coverage.py"), "--models", "pyg:gineconv", "hf:nope",
+           "--markdown", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]  # the unknown model is reported, and fails the run
+    rows = {r["model"]: r for r in json.loads(out.read_text())}
+    good = rows["pyg:gineconv"]
+    assert good["lossless_ok"] and good["l2_ok"] and good["l2_lossy"] > 0, good
+    assert 0 < good["min_share"] < 1 and good["recomputed"] >= 1
+    assert "No hf layout 'nope'" in rows["hf:nope"]["error"]
+    assert "| pyg:gineconv | 2 (" in proc.stdout and "| ok |" in proc.stdout

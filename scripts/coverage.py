@@ -1,0 +1,247 @@
+"""Wrap models beyond the zoo matrix and check their gradients against plain PyTorch's.
+
+The tests cover the zoo matrix (``zoomem.zoo.ZOO_MATRIX``); users wrap far more. For each model here, built small
+from its config (random weights, no download) with a generated batch, this script
+
+- finds the smallest feasible lossless budget (``InfeasibleBudgetError.min_budget`` of a 5% budget), wraps the model
+  at it and compares one step's loss and gradients with plain PyTorch's (the tests' tolerance: 1e-5 of each
+  gradient's norm plus 1e-6 of the largest; bitwise where nothing compact runs);
+- wraps it at ``L2`` (adaptive bits, sensitivities not refreshed) and compares three steps' gradients with plain
+  PyTorch's: the worst squared error, relative to the squared gradient norm, must be within 3x the plan's predicted
+  relative variance (``plan.variance``) - a first-order estimate that a backward reading a rounded value nonlinearly
+  would break.
+
+    python scripts/coverage.py --markdown                     # every model (about 10 minutes on 2 CPU cores)
+    python scripts/coverage.py --models timm:hrnet_w18_small hf:mistral pyg:pna
+
+A model that fails to build or trace is reported with its error, not skipped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zoomem  # noqa: E402
+from zoomem import Batch  # noqa: E402
+from zoomem.adapters import get_adapter  # noqa: E402
+from zoomem.planner import InfeasibleBudgetError  # noqa: E402
+
+TIMM = [
+    "swin_tiny_patch4_window7_224", "deit_tiny_patch16_224", "eva02_tiny_patch14_224", "cait_xxs24_224",
+    "levit_128s", "maxvit_tiny_rw_224", "mixer_s16_224", "poolformer_s12", "convnextv2_atto", "edgenext_xx_small",
+    "regnetx_002", "densenet121", "hrnet_w18_small", "dla34", "res2net50_14w_8s", "resnetv2_50",
+    "seresnext26d_32x4d", "xception41", "repvgg_a0", "rexnet_100", "ghostnet_100", "mobilenetv3_small_100",
+]
+"""timm models (beyond the matrix's ResNet, MobileNetV2, EfficientNet, ConvNeXt and ViT), at 64 px."""
+
+_TXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        "vocab_size": 1000}
+HF: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "distilbert": ("DistilBertConfig", "DistilBertForSequenceClassification",
+                   {"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128, "vocab_size": 1000}),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", _TXT),
+    "albert": ("AlbertConfig", "AlbertForSequenceClassification", {**_TXT, "embedding_size": 32}),
+    "electra": ("ElectraConfig", "ElectraForSequenceClassification", {**_TXT, "embedding_size": 32}),
+    "deberta-v2": ("DebertaV2Config", "DebertaV2ForSequenceClassification", _TXT),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_TXT, "num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_TXT, "num_key_value_heads": 2}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_TXT, "num_key_value_heads": 2, "head_dim": 16}),
+    "phi": ("PhiConfig", "PhiForCausalLM", _TXT),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _TXT),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                            "ffn_dim": 128, "vocab_size": 1000, "word_embed_proj_dim": 64}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000}),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration", {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                                                         "num_heads": 4, "vocab_size": 1000,
+                                                         "decoder_start_token_id": 0}),
+    "swin": ("SwinConfig", "SwinForImageClassification", {"image_size": 32, "patch_size": 4, "embed_dim": 16,
+                                                          "depths": [1, 1], "num_heads": [2, 2], "window_size": 4}),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification",
+                 {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}),
+    "deit": ("DeiTConfig", "DeiTForImageClassification", {**_TXT, "image_size": 32, "patch_size": 8}),
+    "roberta-token": ("RobertaConfig", "RobertaForTokenClassification", _TXT),
+}
+"""HF layouts (beyond the matrix's BERT, GPT-2, Llama, T5, BART and ViT), reduced: class names and config fields."""
+
+
+class _Convs(nn.Module):
+    """Two PyG convolutions with a ReLU between them, for convolutions PyG ships no model of."""
+
+    def __init__(self, first: nn.Module, second: nn.Module, edges: bool = False) -> None:
+        super().__init__()
+        self.convs, self.edges = nn.ModuleList([first, second]), edges
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        extra = (edge_attr,) if self.edges else ()
+        return self.convs[1](torch.relu(self.convs[0](x, edge_index, *extra)), edge_index, *extra)
+
+
+def _pyg() -> dict[str, tuple[Callable[[], nn.Module], bool]]:
+    import torch_geometric.nn as G
+
+    mlp = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.ReLU())  # noqa: E731
+    return {
+        "gatv2": (lambda: G.models.GAT(16, 32, 2, 4, v2=True, heads=2), False),
+        "gat-edge-features": (lambda: G.models.GAT(16, 32, 2, 4, edge_dim=8, heads=2), True),
+        "sage-jk-cat": (lambda: G.models.GraphSAGE(16, 32, 3, 4, jk="cat"), False),
+        "gin-batch-norm": (lambda: G.models.GIN(16, 32, 3, 4, norm="batch_norm"), False),
+        "gcn-layer-norm-dropout": (lambda: G.models.GCN(16, 32, 3, 4, norm="layer_norm", dropout=0.3), False),
+        "pna": (lambda: G.models.PNA(16, 32, 2, 4, aggregators=["mean", "max", "std"],
+                                     scalers=["identity", "amplification"],
+                                     deg=torch.tensor([0, 10, 40, 80, 50, 20])), False),
+        "edgecnn": (lambda: G.models.EdgeCNN(16, 32, 2, 4), False),
+        "transformerconv": (lambda: _Convs(G.TransformerConv(16, 32, heads=2), G.TransformerConv(64, 4)), False),
+        "gineconv": (lambda: _Convs(G.GINEConv(mlp(16, 32), edge_dim=8), G.GINEConv(mlp(32, 4), edge_dim=8),
+                                    edges=True), True),
+    }
+"""PyG models and convolutions (beyond the matrix's GCN, GAT, GraphSAGE and GIN) on a 500-node random graph."""
+
+
+def build(spec: str) -> tuple[nn.Module, Any, Batch]:
+    """Model, adapter and batch of ``kind:name`` (deterministic: seeded here)."""
+    kind, name = spec.split(":", 1)
+    torch.manual_seed(0)
+    if kind == "timm":
+        import timm
+
+        kwargs: dict[str, Any] = {"pretrained": False, "num_classes": 10}
+        if any(k in name for k in ("vit", "deit", "cait", "eva", "mixer", "levit", "swin")):
+            kwargs["img_size"] = 64
+        if "swin" in name:
+            kwargs["window_size"] = 4
+        model = timm.create_model(name, **kwargs)
+        adapter = get_adapter(model)
+        return model, adapter, adapter.example_batch(model, 2, image_size=64)
+    if kind == "hf":
+        import transformers
+
+        if name not in HF:
+            raise ValueError(f"No hf layout {name!r} here; the layouts are {', '.join(HF)}.")
+        config_cls, model_cls, fields = HF[name]
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields))
+        adapter = get_adapter(model)
+        text = getattr(model, "main_input_name", "input_ids") == "input_ids"
+        return model, adapter, adapter.example_batch(model, 2, **({"seq_len": 32} if text else {"image_size": 32}))
+    if kind == "pyg":
+        models = _pyg()
+        if name not in models:
+            raise ValueError(f"No pyg model {name!r} here; the models are {', '.join(models)}.")
+        make, edges = models[name]
+        model = make()
+        g = torch.Generator().manual_seed(0)
+        x, edge_index = torch.randn(500, 16, generator=g), torch.randint(0, 500, (2, 4000), generator=g)
+        kwargs = {"edge_attr": torch.randn(4000, 8, generator=g)} if edges else {}
+        return model, get_adapter(model), Batch(args=(x, edge_index), kwargs=kwargs,
+                                                target=torch.randint(0, 4, (500,), generator=g))
+    raise ValueError(f"Unknown model kind in {spec!r}: use timm:<name>, hf:<name> or pyg:<name>.")
+
+
+def all_specs() -> list[str]:
+    return [f"timm:{n}" for n in TIMM] + [f"hf:{n}" for n in HF] + [f"pyg:{n}" for n in _pyg()]
+
+
+def _grads(model: nn.Module, adapter: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)  # the same dropout masks every step
+    loss = adapter.loss(model, batch, batch.call(model))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _sq(grads: dict[str, torch.Tensor]) -> float:
+    return float(sum(g.double().square().sum() for g in grads.values()))
+
+
+def check(spec: str) -> dict[str, Any]:
+    """One model's row: lossless minimum and its gradient error, ``L2``'s error against its prediction."""
+    t0 = time.perf_counter()
+    model, adapter, batch = build(spec)
+    model.train()
+    reference = copy.deepcopy(model)
+    ref_loss, ref = _grads(reference, adapter, batch)
+    initial = copy.deepcopy(model.state_dict())
+    row: dict[str, Any] = {"model": spec, "parameters_mib": sum(p.numel() * p.element_size()
+                                                                for p in model.parameters()) / 2**20}
+    try:
+        zoomem.wrap(model, 0.05, adapter=adapter, batch=batch)
+        budget = int(0.05 * next(iter(model.__dict__["_zoomem"].plans.values())).baseline_peak_bytes)
+        zoomem.unwrap(model)
+    except InfeasibleBudgetError as err:
+        budget = err.min_budget
+    model.load_state_dict(initial)
+    zoomem.wrap(model, budget, adapter=adapter, batch=batch)
+    plan = next(iter(model.__dict__["_zoomem"].plans.values()))
+    loss, grads = _grads(model, adapter, batch)
+    zoomem.unwrap(model)
+    scale = max(float(g.norm()) for g in ref.values())
+    worst = max(float((grads[k] - g).norm()) / (1e-5 * float(g.norm()) + 1e-6 * scale) for k, g in ref.items())
+    row.update(units=len(plan.units), recomputed=sum(u.decision.name != "KEEP" for u in plan.units),
+               min_share=plan.predicted_peak_bytes / plan.baseline_peak_bytes,
+               lossless_loss_equal=bool(torch.equal(loss, ref_loss)), lossless_error_in_tolerances=worst,
+               lossless_ok=worst <= 1.0 and torch.allclose(loss, ref_loss, rtol=1e-5, atol=0))
+    model.load_state_dict(initial)
+    zoomem.wrap(model, level="L2", adapter=adapter, batch=batch, sensitivity_interval=0)
+    plan = next(iter(model.__dict__["_zoomem"].plans.values()))
+    errors = []
+    for _ in range(3):
+        _, grads = _grads(model, adapter, batch)
+        errors.append(_sq({k: grads[k] - g for k, g in ref.items()}) / max(_sq(ref), 1e-30))
+    zoomem.unwrap(model)
+    row.update(l2_lossy=len(plan.bits), l2_predicted_variance=plan.variance, l2_worst_error=max(errors),
+               l2_ok=max(errors) <= 3 * plan.variance + 1e-6, seconds=time.perf_counter() - t0)
+    return row
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | units (recomputed at min) | min / PyTorch peak | lossless gradients | L2 lossy tensors | "
+             "L2 error / predicted variance | verdict |", "|---|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | | | | | ERROR: {r['error']} |")
+            continue
+        tol = r["lossless_error_in_tolerances"]
+        exact = "bitwise" if tol == 0 else f"{tol:.2f} of tol."
+        ok = "ok" if r["lossless_ok"] and r["l2_ok"] else "FAIL"
+        lines.append(f"| {r['model']} | {r['units']} ({r['recomputed']}) | {100 * r['min_share']:.0f}% | {exact} | "
+                     f"{r['l2_lossy']} | {r['l2_worst_error']:.1e} / {r['l2_predicted_variance']:.1e} | {ok} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="*", default=None, help="kind:name specs (default: every one here)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for spec in args.models or all_specs():
+        try:
+            row = check(spec)
+        except Exception as exc:  # noqa: BLE001 - a model zoomem cannot wrap is a finding, not a crash
+            traceback.print_exc(file=sys.stderr)
+            row = {"model": spec, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        print(_markdown(rows))
+    return int(any("error" in r or not (r["lossless_ok"] and r["l2_ok"]) for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
