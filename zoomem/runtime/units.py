@@ -79,6 +79,7 @@ class _Reenterable:
     def __exit__(self, *exc: Any) -> Any:
         return self.stack.pop().__exit__(*exc)
 
+
 def _copy(obj: Any) -> Any:
     """New containers (lists, tuples, dicts, registered pytree nodes) around the same leaves."""
     return tree_map(lambda leaf: leaf, obj)
