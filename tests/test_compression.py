@@ -847,3 +847,34 @@ def test_parts_of_one_memory_are_stored_lossily_all_or_none() -> None:
             assert by_key[v]["lossy"] == f"part of the memory of {q}, which stays exact"
             assert not {q, k, v} & set(plan.bits)
         assert plan.bits
+
+
+def test_the_program_stores_the_parts_of_one_memory_all_or_none() -> None:
+    """A gated MLP saves both halves of one ``fc1`` output (``silu(a) * b``): packing one half alone frees nothing.
+    With the first half made far too sensitive to store lossily, the program still stores both or neither."""
+    from zoomem.planner.solve import make_plan, min_feasible_budget
+
+    class GatedMlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(256, 2048), nn.Linear(1024, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.fc1(x).chunk(2, -1)
+            return self.fc2(nn.functional.silu(a) * b)
+
+    torch.manual_seed(0)
+    model, x = GatedMlp(), torch.randn(64, 32, 256)
+    zoomem.wrap(model, level="L2.2", batch=(x,), loss_fn=lambda out, b: out.square().mean())
+    costs = next(iter(model.__dict__["_zoomem"].planning.values())).costs
+    groups = [(*s.shares, s.key) for s in costs.saved if s.shares]
+    assert len(groups) == 1
+    by_key = {s.key: s for s in costs.saved}
+    for key in groups[0][:-1]:
+        by_key[key].sensitivity = 1e6 * costs.grad_sq
+    lossless = min_feasible_budget(costs)[0]
+    for share in (0.95, 0.9):
+        plan = make_plan(costs, int(lossless * share), compress=zoomem.CompressOptions())
+        assert plan.bits
+        assert len({key in plan.bits for key in groups[0]}) == 1, {k: plan.bits.get(k) for k in groups[0]}
+
