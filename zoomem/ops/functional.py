@@ -677,8 +677,8 @@ def _row_stat_grads(
 
 def _norm_input_exact(row: int) -> tuple[int, ...]:
     """``exact_reads`` of a norm that saves its input (index 0): exact where quantization groups mix rows
-    (:func:`zoomem.runtime.probe.row_straddling`)."""
-    from ..runtime.probe import row_straddling  # the runtime imports these ops
+    (:func:`zoomem.compress.quantize.row_straddling`)."""
+    from ..compress.quantize import row_straddling  # imported late: the quantizer imports ``zoomem.ops``
 
     return (0,) if row_straddling(row) else ()
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..adapters import Unit
 from ..batch import Batch
-from ..compress.quantize import GROUP_SIZE
+from ..compress.quantize import row_straddling
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..ops.functional import separate_masks
@@ -30,7 +30,7 @@ from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
 
-__all__ = ["probe_saved", "held_by_caller", "liveness", "row_straddling", "EXACT_READS"]
+__all__ = ["probe_saved", "held_by_caller", "liveness", "EXACT_READS"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +64,7 @@ rounding is not a small perturbation, a first-order sensitivity cannot see it, s
 value and output enter those backwards linearly and may be lossy). A layer norm's input is read as
 ``(x - mean) * rstd``, and its backward is quadratic in that: where a quantization group spans rows of different
 scales, a row whose spread is small next to its group's range (a ViT's class token at initialisation: row std 0.03
-in groups of range 4) comes back as noise times ``rstd``; see :func:`row_straddling`."""
-
-
-def row_straddling(row: int) -> bool:
-    """Whether quantization groups of rows of ``row`` elements (a normalised row) mix several rows: unless
-    ``row`` is a multiple of the group size, a group holds parts of two rows, each normalised by its own spread.
-    A norm's input stays exact then: at 2 bits timm's EVA-02 and DeiT-Tiny (192 wide, at initialisation) had
-    gradient errors up to 46 and 94 times the gradient's norm where the plan predicted 0.8 and 1.1, against 0.53
-    measured for 0.51 predicted on ResNet-50. A row of a multiple of the group size starts a group."""
-    return row % GROUP_SIZE != 0
+in groups of range 4) comes back as noise times ``rstd``; see :func:`zoomem.compress.quantize.row_straddling`."""
 
 
 _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
