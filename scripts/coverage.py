@@ -6,13 +6,14 @@ from its config (random weights, no download) with a generated batch, this scrip
 - finds the smallest feasible lossless budget (``InfeasibleBudgetError.min_budget`` of a 5% budget), wraps the model
   at it and compares one step's loss and gradients with plain PyTorch's (the tests' tolerance: 1e-5 of each
   gradient's norm plus 1e-6 of the largest; bitwise where nothing compact runs);
-- wraps it at ``L2`` (adaptive bits, sensitivities not refreshed) and compares three steps' gradients with plain
-  PyTorch's: the worst squared error, relative to the squared gradient norm, must be within 3x the plan's predicted
-  relative variance (``plan.variance``) - a first-order estimate that a backward reading a rounded value nonlinearly
-  would break.
+- wraps it at ``L2`` (adaptive bits, sensitivities not refreshed; ``--levels`` for others) and compares three
+  steps' gradients with plain PyTorch's: the worst squared error, relative to the squared gradient norm, must be within 3x the plan's predicted
+  relative variance (``plan.variance``) - a first-order estimate that a backward reading a rounded value
+  nonlinearly would break. It also names the parameter whose gradient is furthest off, relative to its norm.
 
-    python scripts/coverage.py --markdown                     # every model (about 10 minutes on 2 CPU cores)
+    python scripts/coverage.py --markdown                     # every model (about 3.5 minutes on 2 CPU cores)
     python scripts/coverage.py --models timm:hrnet_w18_small hf:mistral pyg:pna
+    python scripts/coverage.py --models timm:vit_tiny_patch16_224 --image-size 224 --levels L1.2 L2.2
 
 A model that fails to build or trace is reported with its error, not skipped silently.
 """
@@ -109,8 +110,8 @@ def _pyg() -> dict[str, tuple[Callable[[], nn.Module], bool]]:
 """PyG models and convolutions (beyond the matrix's GCN, GAT, GraphSAGE and GIN) on a 500-node random graph."""
 
 
-def build(spec: str) -> tuple[nn.Module, Any, Batch]:
-    """Model, adapter and batch of ``kind:name`` (deterministic: seeded here)."""
+def build(spec: str, image_size: int = 64) -> tuple[nn.Module, Any, Batch]:
+    """Model, adapter and batch of ``kind:name`` (deterministic: seeded here); timm models at ``image_size``."""
     kind, name = spec.split(":", 1)
     torch.manual_seed(0)
     if kind == "timm":
@@ -118,12 +119,12 @@ def build(spec: str) -> tuple[nn.Module, Any, Batch]:
 
         kwargs: dict[str, Any] = {"pretrained": False, "num_classes": 10}
         if any(k in name for k in ("vit", "deit", "cait", "eva", "mixer", "levit", "swin")):
-            kwargs["img_size"] = 64
+            kwargs["img_size"] = image_size
         if "swin" in name:
             kwargs["window_size"] = 4
         model = timm.create_model(name, **kwargs)
         adapter = get_adapter(model)
-        return model, adapter, adapter.example_batch(model, 2, image_size=64)
+        return model, adapter, adapter.example_batch(model, 2, image_size=image_size)
     if kind == "hf":
         import transformers
 
@@ -165,10 +166,11 @@ def _sq(grads: dict[str, torch.Tensor]) -> float:
     return float(sum(g.double().square().sum() for g in grads.values()))
 
 
-def check(spec: str) -> dict[str, Any]:
-    """One model's row: lossless minimum and its gradient error, ``L2``'s error against its prediction."""
+def check(spec: str, levels: tuple[str, ...] = ("L2",), image_size: int = 64) -> dict[str, Any]:
+    """One model's row: lossless minimum and its gradient error; each level's error against its prediction (keys
+    ``<level>_...``, lower case: ``l2_ok``), and the parameter whose gradient is furthest off (relative)."""
     t0 = time.perf_counter()
-    model, adapter, batch = build(spec)
+    model, adapter, batch = build(spec, image_size)
     model.train()
     reference = copy.deepcopy(model)
     ref_loss, ref = _grads(reference, adapter, batch)
@@ -192,31 +194,46 @@ def check(spec: str) -> dict[str, Any]:
                min_share=plan.predicted_peak_bytes / plan.baseline_peak_bytes,
                lossless_loss_equal=bool(torch.equal(loss, ref_loss)), lossless_error_in_tolerances=worst,
                lossless_ok=worst <= 1.0 and torch.allclose(loss, ref_loss, rtol=1e-5, atol=0))
-    model.load_state_dict(initial)
-    zoomem.wrap(model, level="L2", adapter=adapter, batch=batch, sensitivity_interval=0)
-    plan = next(iter(model.__dict__["_zoomem"].plans.values()))
-    errors = []
-    for _ in range(3):
-        _, grads = _grads(model, adapter, batch)
-        errors.append(_sq({k: grads[k] - g for k, g in ref.items()}) / max(_sq(ref), 1e-30))
-    zoomem.unwrap(model)
-    row.update(l2_lossy=len(plan.bits), l2_predicted_variance=plan.variance, l2_worst_error=max(errors),
-               l2_ok=max(errors) <= 3 * plan.variance + 1e-6, seconds=time.perf_counter() - t0)
+    for level in levels:
+        model.load_state_dict(initial)
+        zoomem.wrap(model, level=level, adapter=adapter, batch=batch, sensitivity_interval=0)
+        plan = next(iter(model.__dict__["_zoomem"].plans.values()))
+        errors, worst_param = [], (0.0, "")
+        for _ in range(3):
+            _, grads = _grads(model, adapter, batch)
+            errors.append(_sq({k: grads[k] - g for k, g in ref.items()}) / max(_sq(ref), 1e-30))
+            worst_param = max(worst_param, *((float((grads[k] - g).norm() / g.norm()), k)
+                                             for k, g in ref.items() if g.norm() > 0))
+        zoomem.unwrap(model)
+        key = level.lower()
+        row.update({f"{key}_lossy": len(plan.bits), f"{key}_predicted_variance": plan.variance,
+                    f"{key}_worst_error": max(errors), f"{key}_ok": max(errors) <= 3 * plan.variance + 1e-6,
+                    f"{key}_worst_parameter": worst_param[1], f"{key}_worst_parameter_error": worst_param[0]})
+    row["seconds"] = time.perf_counter() - t0
     return row
 
 
-def _markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | units (recomputed at min) | min / PyTorch peak | lossless gradients | L2 lossy tensors | "
-             "L2 error / predicted variance | verdict |", "|---|---:|---:|---|---:|---:|---|"]
+def _ok(row: dict[str, Any], levels: tuple[str, ...]) -> bool:
+    return "error" not in row and row["lossless_ok"] and all(row[f"{lv.lower()}_ok"] for lv in levels)
+
+
+def _markdown(rows: list[dict[str, Any]], levels: tuple[str, ...]) -> str:
+    """One row a model: the lossless check, then per level its lossy tensors, its squared error against its
+    predicted variance and the parameter furthest off (the error of its gradient over its norm)."""
+    head = "".join(f" {lv} lossy tensors | {lv} error / predicted variance | {lv} furthest off |" for lv in levels)
+    lines = ["| model | units (recomputed at min) | min / PyTorch peak | lossless gradients |" + head + " verdict |",
+             "|---|---:|---:|---|" + "---:|---:|---|" * len(levels) + "---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | | | | | | ERROR: {r['error']} |")
+            lines.append(f"| {r['model']} | | | |" + " | | |" * len(levels) + f" ERROR: {r['error']} |")
             continue
         tol = r["lossless_error_in_tolerances"]
         exact = "bitwise" if tol == 0 else f"{tol:.2f} of tol."
-        ok = "ok" if r["lossless_ok"] and r["l2_ok"] else "FAIL"
-        lines.append(f"| {r['model']} | {r['units']} ({r['recomputed']}) | {100 * r['min_share']:.0f}% | {exact} | "
-                     f"{r['l2_lossy']} | {r['l2_worst_error']:.1e} / {r['l2_predicted_variance']:.1e} | {ok} |")
+        cells = "".join(f" {r[k + '_lossy']} | {r[k + '_worst_error']:.1e} / {r[k + '_predicted_variance']:.1e} | "
+                        f"{r[k + '_worst_parameter']} {r[k + '_worst_parameter_error']:.2f} |"
+                        for k in (lv.lower() for lv in levels))
+        lines.append(f"| {r['model']} | {r['units']} ({r['recomputed']}) | {100 * r['min_share']:.0f}% | {exact} |"
+                     + cells + f" {'ok' if _ok(r, levels) else 'FAIL'} |")
     return "\n".join(lines)
 
 
@@ -225,12 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", default=None, help="kind:name specs (default: every one here)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    parser.add_argument("--levels", nargs="+", default=["L2"], help="compression levels to check (default L2)")
+    parser.add_argument("--image-size", type=int, default=64, help="timm models' image size (default 64)")
     args = parser.parse_args(argv)
+    levels = tuple(args.levels)
     torch.set_num_threads(1)
     rows = []
     for spec in args.models or all_specs():
         try:
-            row = check(spec)
+            row = check(spec, levels, args.image_size)
         except Exception as exc:  # noqa: BLE001 - a model zoomem cannot wrap is a finding, not a crash
             traceback.print_exc(file=sys.stderr)
             row = {"model": spec, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -239,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     if args.markdown:
-        print(_markdown(rows))
-    return int(any("error" in r or not (r["lossless_ok"] and r["l2_ok"]) for r in rows))
+        print(_markdown(rows, levels))
+    return int(not all(_ok(r, levels) for r in rows))
 
 
 if __name__ == "__main__":
