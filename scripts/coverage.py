@@ -7,9 +7,10 @@ from its config (random weights, no download) with a generated batch, this scrip
   at it and compares one step's loss and gradients with plain PyTorch's (the tests' tolerance: 1e-5 of each
   gradient's norm plus 1e-6 of the largest; bitwise where nothing compact runs);
 - wraps it at ``L2`` (adaptive bits, sensitivities not refreshed; ``--levels`` for others) and compares three
-  steps' gradients with plain PyTorch's: the worst squared error, relative to the squared gradient norm, must be within 3x the plan's predicted
-  relative variance (``plan.variance``) - a first-order estimate that a backward reading a rounded value
-  nonlinearly would break. It also names the parameter whose gradient is furthest off, relative to its norm.
+  steps' gradients with plain PyTorch's: the worst squared error, relative to the squared gradient norm, must be
+  within 3x the plan's predicted relative variance (``plan.variance``) - a first-order estimate that a backward
+  reading a rounded value nonlinearly would break. It also names the parameter whose gradient is furthest off,
+  relative to its norm.
 
     python scripts/coverage.py --markdown                     # every model (about 3.5 minutes on 2 CPU cores)
     python scripts/coverage.py --models timm:hrnet_w18_small hf:mistral pyg:pna
