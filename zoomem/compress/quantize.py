@@ -73,9 +73,9 @@ def row_straddling(row: int, group_size: int = GROUP_SIZE) -> bool:
     """Whether quantization groups of rows of ``row`` elements (a normalised row) mix several rows: unless
     ``row`` is a multiple of the group size, a group holds parts of two rows, each normalised by its own spread.
     A norm's input stays exact then (:data:`zoomem.runtime.probe.EXACT_READS`): at 2 bits timm's EVA-02 and
-    DeiT-Tiny (192 wide, at initialisation) had gradient errors up to 46 and 94 times the gradient's norm where the
-    plan predicted 0.8 and 1.1, against 0.53 measured for 0.51 predicted on ResNet-50 (all at 64 px). A row of a
-    multiple of the group size starts a group."""
+    DeiT-Tiny (192 wide, at initialisation) had squared gradient errors 1,100 and 2,000 times the squared gradient
+    norm where the plans predicted 0.64 and 1.2, against 0.32 for 0.26 predicted on ResNet-50 (all at 64 px;
+    ``scripts/coverage.py``, BENCHMARKS.md). A row of a multiple of the group size starts a group."""
     return row % group_size != 0
 
 
