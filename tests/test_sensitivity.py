@@ -31,7 +31,8 @@ def test_estimate_ranks_tensors_like_brute_force(model_id: str) -> None:
     eligible = [i for i in infos if i.lossy is None and i.sensitivity > 0]
     assert len(eligible) >= 5
 
-    store = SavedTensorStore(record=True, generator=torch.Generator().manual_seed(1))
+    groups = {i.key: i.group for i in infos}  # a norm's input in groups that follow its rows, as plans store it
+    store = SavedTensorStore(record=True, groups=groups, generator=torch.Generator().manual_seed(1))
     with store.hooks(), _regions(store, units):
         out = batch.call(model)
     assert set(store.infos) == {i.key for i in infos}  # the same step names its tensors the same way

@@ -24,7 +24,7 @@ from ..ops.packbits import pack_planes, unpack_planes
 from .triton_kernels import triton_dequantize, triton_quantize, use_triton
 
 __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantized_nbytes", "group_layout",
-           "row_straddling", "scratch_nbytes", "seconds_per_byte", "seconds_per_call"]
+           "row_group", "scratch_nbytes", "seconds_per_byte", "seconds_per_call"]
 
 BITS = (1, 2, 4, 8)
 GROUP_SIZE = 256
@@ -69,14 +69,28 @@ def group_layout(shape: torch.Size | tuple[int, ...], group_size: int = GROUP_SI
     return 1, 0, -(-numel // group_size)
 
 
-def row_straddling(row: int, group_size: int = GROUP_SIZE) -> bool:
-    """Whether quantization groups of rows of ``row`` elements (a normalised row) mix several rows: unless
-    ``row`` is a multiple of the group size, a group holds parts of two rows, each normalised by its own spread.
-    A norm's input stays exact then (:data:`zoomem.runtime.probe.EXACT_READS`): at 2 bits timm's EVA-02 and
-    DeiT-Tiny (192 wide, at initialisation) had squared gradient errors 1,100 and 2,000 times the squared gradient
-    norm where the plans predicted 0.64 and 1.2, against 0.32 for 0.26 predicted on ResNet-50 (all at 64 px;
-    ``scripts/coverage.py``, BENCHMARKS.md). A row of a multiple of the group size starts a group."""
-    return row % group_size != 0
+MIN_ROW_GROUP = 32
+"""The narrowest group :func:`row_group` gives: below it the groups' own bytes (8 each) outweigh the savings."""
+
+
+def row_group(row: int, group_size: int = GROUP_SIZE) -> int | None:
+    """The group size for a tensor that backward reads in rows of ``row`` elements, each normalised by its own
+    spread (a norm's input): ``group_size`` where it divides ``row``, else the largest multiple of 8 up to
+    ``group_size`` that divides it, so that no group mixes two rows; ``None`` where there is none of at least
+    :data:`MIN_ROW_GROUP` (the tensor stays exact).
+
+    A group holding parts of two rows brings a row whose spread is small next to the group's range (a ViT's class
+    token at initialisation: row std 0.03 in groups of range 4) back as noise times the row's ``1/std``, and a
+    norm's backward is quadratic in that: at 2 bits in groups of 256, timm's EVA-02 and DeiT-Tiny (192 wide, at
+    initialisation) had squared gradient errors 1,100 and 2,000 times the squared gradient norm where the plans
+    predicted 0.64 and 1.2, against 0.32 for 0.26 predicted on ResNet-50 (all at 64 px; ``scripts/coverage.py``,
+    BENCHMARKS.md)."""
+    if row % group_size == 0:
+        return group_size
+    for g in range(group_size - group_size % 8, MIN_ROW_GROUP - 1, -8):
+        if row % g == 0:
+            return g
+    return None
 
 
 def quantized_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int = GROUP_SIZE) -> int:

@@ -45,10 +45,11 @@ class Sensitivity:
     measured: bool = True  # False: a value-range proxy (the model has an op without a double backward)
 
 
-def _range_proxy(saved: Mapping[str, torch.Tensor], range_sq: dict[str, torch.Tensor], grad_sq: float) -> dict[str, float]:
+def _range_proxy(saved: Mapping[str, torch.Tensor], range_sq: dict[str, torch.Tensor], grad_sq: float,
+                 groups: Mapping[str, int]) -> dict[str, float]:
     """C_s as if every element's derivative norm were equal (scaled so the sum over elements is ||g||^2)."""
     numel = sum(t.numel() for t in saved.values()) or 1
-    return {key: float(range_sq[key].sum()) * 256 / 6 * grad_sq / numel if key in range_sq else 0.0
+    return {key: float(range_sq[key].sum()) * groups[key] / 6 * grad_sq / numel if key in range_sq else 0.0
             for key in saved}
 
 
@@ -66,6 +67,7 @@ def estimate_sensitivity(
     samples: int = 1,
     generator: torch.Generator | None = None,
     group_size: int = GROUP_SIZE,
+    group_sizes: Mapping[str, int] | None = None,
 ) -> Sensitivity:
     """C_s for every tensor in ``saved`` (see the module docstring), from ``samples`` Hutchinson probes.
 
@@ -75,6 +77,7 @@ def estimate_sensitivity(
         saved: key -> the saved tensor (as the forward saved it; it must be a non-leaf).
         samples: sign vectors to average over (each costs one backward).
         generator: source of the signs (zoomem's own, the user's RNG stream is untouched).
+        group_size: elements per quantization group; ``group_sizes``: key -> its own, where not ``group_size``.
 
     Returns:
         key -> C_s (0.0 for tensors the parameter gradient does not depend on), and ``||g||**2``.
@@ -94,7 +97,8 @@ def estimate_sensitivity(
         by_node.setdefault(edge.node, []).append((edge.output_nr, key))
     if not pairs or not by_node:
         return Sensitivity(out, grad_sq)
-    range_sq = {key: _group_range_sq(saved[key], group_size) for _, keys in by_node.items() for _, key in keys}
+    groups = {key: (group_sizes or {}).get(key, group_size) for key in saved}
+    range_sq = {key: _group_range_sq(saved[key], groups[key]) for _, keys in by_node.items() for _, key in keys}
     for i in range(samples):
         signs = [
             torch.randint(0, 2, g.shape, device=g.device, generator=generator).to(g.dtype).mul_(2).sub_(1)
@@ -108,7 +112,7 @@ def estimate_sensitivity(
             def hook(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
                 for nr, key in entries:  # reduced at once: holding every J^T v would add a copy of the activations
                     if grad_outputs[nr] is not None:
-                        per_group, _ = _grouped(grad_outputs[nr].detach().float().square(), group_size)
+                        per_group, _ = _grouped(grad_outputs[nr].detach().float().square(), groups[key])
                         captured[key] = (range_sq[key] * per_group.sum(dim=1)).sum()
                 return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
 
@@ -123,7 +127,7 @@ def estimate_sensitivity(
                 raise
             logger.warning("zoomem: sensitivities cannot be measured on this model (%s); bits follow each "
                            "tensor's value range instead", str(e).splitlines()[0][:160])
-            return Sensitivity(_range_proxy(saved, range_sq, grad_sq), grad_sq, measured=False)
+            return Sensitivity(_range_proxy(saved, range_sq, grad_sq, groups), grad_sq, measured=False)
         finally:
             for h in handles:
                 h.remove()

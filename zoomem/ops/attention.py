@@ -29,7 +29,8 @@ from .functional import _aten_dropout, _dropout_from_mask, _fused_dropout_device
 from .packbits import pack_bool, unpack_bool
 from .routing import RoutingMode
 
-__all__ = ["FlashAttentionCpu", "MathAttention", "differentiable_attention", "recompute_attention"]
+__all__ = ["FlashAttentionCpu", "MathAttention", "attention_logsumexp", "differentiable_attention",
+           "recompute_attention"]
 
 _FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION.value, what torch._fused_sdp_choice returns for it
 
@@ -45,8 +46,11 @@ class FlashAttentionCpu(torch.autograd.Function):
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
         ctx.is_causal, ctx.scale, ctx.has_mask = is_causal, scale, mask is not None
         ctx.save_for_backward(*((mask,) if mask is not None else ()), k, q, v, lse, out)
-        # the backward's probabilities are exp(q @ k.T * scale + mask - lse): those stay exact (zoomem.runtime.probe)
-        ctx.exact_reads = (0, 1, 2, 4) if mask is not None else (0, 1, 3)
+        # the backward's probabilities are exp(q @ k.T * scale + mask - lse): the mask stays exact, and the
+        # log-sum-exp comes back recomputed from q and k where either is stored lossily (zoomem.runtime.probe)
+        m = int(mask is not None)
+        ctx.exact_reads = (0, 4) if mask is not None else (3,)
+        ctx.lse_of = (m + 1, m, 0 if mask is not None else None, m + 3)  # query, key, mask, lse in saved_tensors
         return out, lse
 
     @staticmethod
@@ -72,15 +76,15 @@ class FlashAttentionCpu(torch.autograd.Function):
 def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      mask: torch.Tensor | None, is_causal: bool, scale: float | None,
                      grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """d(out, lse)/d(q, k, v) applied to ``(grad_out, grad_lse)``, with differentiable ops (the N x N scores)."""
+    """d(out, lse)/d(q, k, v) applied to ``(grad_out, grad_lse)``, with differentiable ops (the N x N scores). The
+    probabilities are those of the scores, normalised afresh (the log-sum-exp recomputed from ``q`` and ``k``, as
+    a lossy store brings it back: :func:`attention_logsumexp`), so the derivatives the sensitivity probe takes with
+    respect to the saved ``q`` and ``k`` include the normalisation's."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
-    scores = (q @ k.transpose(-2, -1)) * s
-    if mask is not None:
-        scores = scores + mask
-    if is_causal:
-        n, m = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    p = torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype))
+    scores = _masked_scores(q, k, mask, is_causal, s)
+    fresh = torch.logsumexp(scores, -1)
+    lse = torch.where(torch.isfinite(fresh), fresh, lse.to(fresh.dtype))  # fully masked rows: the kernel's value
+    p = torch.exp(scores - lse.unsqueeze(-1))
     ds = torch.zeros_like(p)
     gv = torch.zeros_like(v)
     if grad_out is not None:
@@ -90,6 +94,44 @@ def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if grad_lse is not None:  # d lse / d scores = p
         ds = ds + p * grad_lse.unsqueeze(-1).to(p.dtype)
     return (ds @ k) * s, (ds.transpose(-2, -1) @ q) * s, gv
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                   scale: float) -> torch.Tensor:
+    """``q @ k.T * scale + mask`` as the fused kernels see them (``is_causal``: -inf above the diagonal)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores + (_bool_to_additive(mask, scores.dtype) if mask.dtype == torch.bool else mask)
+    if is_causal:
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def attention_logsumexp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                        scale: float | None, like: torch.Tensor) -> torch.Tensor:
+    """The row log-sum-exp of ``q @ k.T * scale + mask`` that a fused attention kernel saved as ``like``, computed
+    again from (rounded) ``q`` and ``k``: with it the kernel's backward rebuilds probabilities that sum to one
+    (a softmax of slightly moved scores), where the log-sum-exp of the exact ones would scale each row by
+    ``exp`` of its error. Rows the mask removes entirely keep ``like``'s value. In fp32, a block of query rows at
+    a time (scores of a quarter of ``q``'s size, at most ``2**22``: backward holds the dequantized q and k then)."""
+    s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    q, k = q.float(), k.float()
+    n, m = q.size(-2), k.size(-2)
+    rows = max(1, min(1 << 22, q.numel() // 4) // max(1, m * math.prod(q.shape[:-2])))
+    full = None if mask is None else mask.expand(*mask.shape[:-2], n, m)
+    parts = []
+    for i in range(0, n, rows):
+        scores = (q[..., i:i + rows, :] @ k.transpose(-2, -1)) * s
+        if full is not None:
+            part = full[..., i:i + rows, :]
+            scores = scores + (_bool_to_additive(part, scores.dtype) if part.dtype == torch.bool else part.float())
+        if is_causal:
+            above = torch.ones(scores.size(-2), m, dtype=torch.bool, device=q.device).triu(1 + i)
+            scores = scores.masked_fill(above, float("-inf"))
+        parts.append(torch.logsumexp(scores, -1))
+    fresh = torch.cat(parts, -1)
+    return torch.where(torch.isfinite(fresh), fresh, like.float()).to(like.dtype)
 
 
 def _bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -675,14 +675,6 @@ def _row_stat_grads(
     return gx + extra.to(gx.dtype)
 
 
-def _norm_input_exact(row: int) -> tuple[int, ...]:
-    """``exact_reads`` of a norm that saves its input (index 0): exact where quantization groups mix rows
-    (:func:`zoomem.compress.quantize.row_straddling`)."""
-    from ..compress.quantize import row_straddling  # imported late: the quantizer imports ``zoomem.ops``
-
-    return (0,) if row_straddling(row) else ()
-
-
 class _LayerNorm(torch.autograd.Function):
     """Returns ``(y, *stats)``: the saved per-row statistics are outputs too, for the double backward (see
     :class:`_BatchNormAct`); :func:`layer_norm` returns ``y`` alone."""
@@ -696,7 +688,8 @@ class _LayerNorm(torch.autograd.Function):
         ctx.fallback = _needs_fallback(weight)
         if ctx.fallback:
             ctx.save_for_backward(x, weight, bias, mean, rstd)
-            ctx.exact_reads = _norm_input_exact(math.prod(normalized_shape))
+            # read in rows, each by its own spread: quantized in groups that follow them (zoomem.runtime.probe)
+            ctx.norm_rows = ((0, math.prod(normalized_shape)),)
             return y, mean, rstd
         ctx.save_for_backward(y, weight, bias, rstd)
         ctx._zoomem_saved_output = True
@@ -814,7 +807,7 @@ class _RMSNorm(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         if ctx.fallback:
             ctx.save_for_backward(x, weight, r)
-            ctx.exact_reads = _norm_input_exact(x.shape[-1])
+            ctx.norm_rows = ((0, x.shape[-1]),)  # as in _LayerNorm
         else:
             ctx.save_for_backward(y, weight, r)
             ctx._zoomem_saved_output = True

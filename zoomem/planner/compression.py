@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compress.quantize import BITS, quantized_nbytes
+from ..compress.quantize import BITS, GROUP_SIZE, quantized_nbytes
 
 __all__ = ["LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "get_level", "region_of",
            "total_variance"]
@@ -58,6 +58,16 @@ class SavedInfo:
     """Keys of the tensors saved before it that are other parts of the same memory, none of them all of it (timm's
     attention saves q, k and v, views of one ``qkv`` output): packing one frees nothing while another is kept exact,
     so a plan stores them lossily all or none."""
+    group: int = GROUP_SIZE
+    """Elements per quantization group: fewer where backward reads it in rows that groups of the default size would
+    mix (a 192-wide layer norm's input; :func:`zoomem.compress.quantize.row_group`)."""
+    min_bits: int = 1
+    """The narrowest width it may be stored in, whatever the level: 4 for a fused attention's query and key, whose
+    rounding moves the probabilities through ``exp`` (:data:`zoomem.runtime.probe.EXP_MIN_BITS`)."""
+    lse_of: dict | None = None  # type: ignore[type-arg]
+    """For a fused attention's saved log-sum-exp: the keys of its ``query``, ``key`` and ``mask`` (or ``None``),
+    and its ``scale`` and ``causal``. Where the query or key is stored lossily, the store recomputes it from their
+    stored forms (:func:`zoomem.ops.attention.attention_logsumexp`; :data:`zoomem.runtime.probe.LSE_READS`)."""
 
     @property
     def numel(self) -> int:
@@ -67,7 +77,7 @@ class SavedInfo:
         return n
 
     def packed_nbytes(self, bits: int) -> int:
-        return quantized_nbytes(self.shape, bits)
+        return quantized_nbytes(self.shape, bits, self.group)
 
     def variance(self, bits: int) -> float:
         return self.sensitivity / ((1 << bits) - 1) ** 2
@@ -77,7 +87,8 @@ class SavedInfo:
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
                 "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output,
                 "held_through": self.held_through, "unit_input": self.unit_input, "dead_at": self.dead_at,
-                "shares": list(self.shares)}
+                "shares": list(self.shares), "group": self.group,
+                "min_bits": self.min_bits, "lse_of": self.lse_of}
 
 
 @dataclass(frozen=True)
@@ -182,17 +193,17 @@ def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0
     Fixed levels give every eligible tensor the same bits. Adaptive levels minimise the summed predicted gradient
     variance ``sum C_s / (2**b - 1)**2`` subject to an average of ``avg_bits`` per element over the eligible
     tensors (a multiple-choice knapsack, solved exactly by the planner's ILP solver; GACT solves it greedily), with
-    widths from ``level.min_bits`` up.
+    widths from ``level.min_bits`` up. A tensor's own :attr:`SavedInfo.min_bits` raises its width at any level.
     """
     if not level.lossy:
         return {}
     cands = eligible(infos)
     if level.bits is not None:
-        return {s.key: level.bits for s in cands}
+        return {s.key: max(level.bits, s.min_bits) for s in cands}
     if any(not s.measured for s in cands):  # no real sensitivities: the widest fixed bits within the average
         bits = max(b for b in BITS if b <= level.avg_bits)  # type: ignore[operator]
         logger.warning("zoomem: %s without measured sensitivities: every eligible tensor in %d bits", level.name, bits)
-        return {s.key: bits for s in cands}
+        return {s.key: max(bits, s.min_bits) for s in cands}
     if not cands:
         return {}
     import pulp
@@ -202,16 +213,19 @@ def allocate_bits(infos: list[SavedInfo], level: Level, time_limit: float = 10.0
     total = sum(s.numel for s in cands)
     scale = max(max(s.sensitivity for s in cands), 1e-30)
     prob = pulp.LpProblem("zoomem_bits", pulp.LpMinimize)
-    widths = [b for b in BITS if b >= level.min_bits]
-    x = {(s.key, b): pulp.LpVariable(f"b_{i}_{b}", cat=pulp.LpBinary) for i, s in enumerate(cands) for b in widths}
+    widths = {s.key: [b for b in BITS if b >= max(level.min_bits, s.min_bits)] for s in cands}
+    x = {(s.key, b): pulp.LpVariable(f"b_{i}_{b}", cat=pulp.LpBinary) for i, s in enumerate(cands)
+         for b in widths[s.key]}
     for s in cands:
-        prob += pulp.lpSum(x[s.key, b] for b in widths) == 1
-    prob += pulp.lpSum(x[s.key, b] * b * s.numel / total for s in cands for b in widths) <= level.avg_bits
-    prob += pulp.lpSum(x[s.key, b] * s.variance(b) / scale for s in cands for b in widths)
+        prob += pulp.lpSum(x[s.key, b] for b in widths[s.key]) == 1
+    floor = sum(min(widths[s.key]) * s.numel for s in cands) / total  # the least average the tensors' floors allow
+    prob += pulp.lpSum(x[s.key, b] * b * s.numel / total for s in cands for b in widths[s.key]) \
+        <= max(level.avg_bits, floor)  # type: ignore[type-var]
+    prob += pulp.lpSum(x[s.key, b] * s.variance(b) / scale for s in cands for b in widths[s.key])
     solve(prob, _solver(time_limit)[1])
     if pulp.LpStatus[prob.status] != "Optimal":
         raise RuntimeError(f"The bit allocation for {level.name} did not solve (status {pulp.LpStatus[prob.status]}).")
-    return {s.key: max(widths, key=lambda b: x[s.key, b].value() or 0.0) for s in cands}
+    return {s.key: max(widths[s.key], key=lambda b: x[s.key, b].value() or 0.0) for s in cands}
 
 
 def total_variance(infos: list[SavedInfo], bits: dict[str, int]) -> float:

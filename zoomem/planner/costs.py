@@ -348,7 +348,8 @@ class CostModel:
         beyond its unpacked copy where it comes back (:func:`zoomem.compress.quantize.scratch_nbytes`)."""
         from ..compress.quantize import scratch_nbytes
 
-        return scratch_nbytes(s.shape, s.dtype, bits, fused=self.fused_quantize)
+        fused = self.fused_quantize and s.group & (s.group - 1) == 0  # the Triton kernels take powers of two
+        return scratch_nbytes(s.shape, s.dtype, bits, s.group, fused=fused)
 
     def unpack_groups(self) -> dict[int, list[list[int]]]:
         """Per segment, the lossy-eligible tensors (indices into ``saved``) that one autograd node's backward

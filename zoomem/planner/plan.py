@@ -127,6 +127,24 @@ class Plan:
         return {u.name: u.decision for u in self.units}
 
     @property
+    def groups(self) -> dict[str, int]:
+        """Saved-tensor key -> elements per quantization group, for the lossy tensors not grouped by the default
+        (:attr:`~zoomem.planner.compression.SavedInfo.group`)."""
+        from ..compress.quantize import GROUP_SIZE
+
+        return {d["key"]: d["group"] for d in self.saved
+                if d["key"] in self.bits and d.get("group", GROUP_SIZE) != GROUP_SIZE}
+
+    @property
+    def lse_of(self) -> dict[str, dict[str, Any]]:
+        """Saved-tensor key of a fused attention's log-sum-exp -> what to recompute it from, where its query or key
+        is lossy (:attr:`~zoomem.planner.compression.SavedInfo.lse_of`)."""
+        base = {d["key"]: d["lossy"][len("duplicate of "):] for d in self.saved
+                if (d["lossy"] or "").startswith("duplicate of ")}
+        return {d["key"]: d["lse_of"] for d in self.saved if d.get("lse_of")
+                and any(base.get(d["lse_of"][t], d["lse_of"][t]) in self.bits for t in ("query", "key"))}
+
+    @property
     def overhead(self) -> float:
         """Predicted step time with the plan over without it."""
         return 1.0 + (self.recompute_s + self.compress_s) / self.step_s if self.step_s > 0 else float("nan")

@@ -255,7 +255,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         for j, (s, k) in enumerate(zip(model.saved, model.saved_seg)):
             owners = [v for v in s.input_of if v in seg_index and v != s.region]
             vs = []
-            for b in compress.bits:
+            for b in (b for b in compress.bits if b >= s.min_bits):
                 v = q[s.key, b] = pulp.LpVariable(f"q_{j}_{b}", 0, 1, cat)
                 if warm is not None:
                     v.setInitialValue(1 if warm[2].get(s.key) == b else 0)

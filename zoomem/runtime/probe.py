@@ -21,7 +21,7 @@ from torch import nn
 
 from ..adapters import Unit
 from ..batch import Batch
-from ..compress.quantize import row_straddling
+from ..compress.quantize import GROUP_SIZE, row_group
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..ops.functional import separate_masks
@@ -50,26 +50,51 @@ EXACT_READS: dict[str, tuple[str, ...] | None] = {
     **{name: None for name in _COMPARISONS + _RECIPROCALS + _EXPONENTIALS},
     "DivBackward0": ("_saved_other",),
     **{f"ScaledDotProduct{kernel}Backward0": _ATTENTION_SCORES
-       for kernel in ("FlashAttentionForCpu", "FlashAttention", "EfficientAttention", "CudnnAttention")},
-    "NativeLayerNormBackward0": ("_saved_input",),
+       for kernel in ("FlashAttention", "EfficientAttention", "CudnnAttention")},
+    "ScaledDotProductFlashAttentionForCpuBackward0": ("_saved_logsumexp", "_saved_attn_mask"),
 }
 """Autograd nodes (and which of their saved tensors; ``None``: all) whose backward reads a saved value through a
 comparison (a ReLU's mask from its output), a reciprocal (a softmax denominator) or an exponential (log-softmax's
 backward is ``g - exp(out) * sum(g)``: rounding a log-probability by a fraction of its group's range, several
 units over a vocabulary, multiplies the softmax by up to ``e`` to that, and not unbiasedly; fused attention's backward
 rebuilds its probabilities as ``exp(q @ k.T * scale + mask - logsumexp)`` from the saved query, key, mask and
-log-sum-exp, so rounding q or k makes rows that no longer sum to one: DeiT-Tiny with its qkv weights scaled 3x, as
-sharp as trained attention, had a 2-bit squared gradient error 61,862 times the squared gradient norm against a
-bound of 3.3 in ``tests/test_compression.py::test_tensors_a_backward_reads_nonlinearly_stay_exact``): there
+log-sum-exp, so rounding q or k against the exact log-sum-exp makes rows that no longer sum to one: DeiT-Tiny with
+its qkv weights scaled 3x, as sharp as trained attention, had a 2-bit squared gradient error 61,862 times the squared
+gradient norm against a bound of 3.3 in
+``tests/test_compression.py::test_what_a_backward_reads_nonlinearly_is_stored_as_it_is_read`` on ``aa0ff16``): there
 rounding is not a small perturbation, a first-order sensitivity cannot see it, so these tensors stay exact (the
-value and output enter those backwards linearly and may be lossy). A layer norm's input is read as
-``(x - mean) * rstd``, and its backward is quadratic in that: where a quantization group spans rows of different
-scales, a row whose spread is small next to its group's range (a ViT's class token at initialisation: row std 0.03
-in groups of range 4) comes back as noise times ``rstd``; see :func:`zoomem.compress.quantize.row_straddling`."""
+value and output enter those backwards linearly and may be lossy). The CPU kernel's query and key may be lossy after
+all (:data:`LSE_READS`): its log-sum-exp then comes back recomputed from their stored forms."""
+
+LSE_READS: dict[str, Callable[[Any], tuple[Any, ...]]] = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": lambda node: (
+        node._saved_query, node._saved_key, node._saved_attn_mask, node._saved_logsumexp, node._saved_scale,
+        node._saved_is_causal),
+}
+"""Fused attention nodes whose saved log-sum-exp the store may recompute from the stored query and key
+(:func:`zoomem.ops.attention.attention_logsumexp`): (query, key, mask, log-sum-exp, scale, is_causal). Then the
+backward's probabilities are a softmax of slightly moved scores, which a first-order sensitivity describes, and q and
+k may be lossy. zoomem's own Functions declare theirs as ``lse_of`` (indices in ``saved_tensors`` of query, key,
+mask or ``None``, log-sum-exp; ``scale`` and ``is_causal`` attributes). The CUDA kernels' log-sum-exp layouts
+differ (padded rows), untested here: their q and k stay exact."""
+
+EXP_MIN_BITS = 4
+"""The narrowest width for a query or key whose log-sum-exp is recomputed (:attr:`SavedInfo.min_bits`): rounding
+moves the scores, and the probabilities by ``exp`` of that, further than a first-order sensitivity sees at 2 bits.
+``tests/test_compression.py::test_what_a_backward_reads_nonlinearly_is_stored_as_it_is_read`` (DeiT-Tiny with its
+qkv weights scaled 3x, as sharp as trained attention, 64 px, ``L1.2``) fails with q and k in 2 bits (this set to
+1): a squared gradient error 6.0 times the squared gradient norm where the plan predicted 0.94."""
+
+ROW_READS: dict[str, Callable[[Any], tuple[str, int]]] = {
+    "NativeLayerNormBackward0": lambda node: ("_saved_input", math.prod(node._saved_normalized_shape)),
+}
+"""Autograd nodes whose backward reads a saved tensor in rows, each normalised by its own spread (a layer norm's
+input, read as ``(x - mean) * rstd``, its backward quadratic in that): (its attribute, the row's length). That
+tensor is quantized in groups that follow the rows (:func:`zoomem.compress.quantize.row_group`), or stays exact
+where no group size fits. zoomem's own Functions declare theirs as ``norm_rows`` (index in ``saved_tensors``, row)."""
 
 
 _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
-    "NativeLayerNormBackward0": lambda node: not row_straddling(math.prod(node._saved_normalized_shape)),
     # x ** e with e >= 1 (GPT-2's GELU cubes its input) has the bounded derivative e * x ** (e - 1): no reciprocal
     "PowBackward0": lambda node: isinstance(getattr(node, "_saved_exponent", None), (int, float))
     and node._saved_exponent >= 1,
@@ -95,6 +120,23 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
         stack.extend(n for n, _ in node.next_functions)
         _number_node(node, len(seen), by_id, store, ident)
         name = type(node).__name__
+        rows = [(node.saved_tensors[i], row) for i, row in getattr(node, "norm_rows", ())]
+        if name in ROW_READS:
+            attr, row = ROW_READS[name](node)
+            rows.append((getattr(node, attr), row))
+        for t, row in rows:
+            key = by_id.get(ident(t))
+            if key is not None and store.infos[key].lossy is None:
+                marked += _group_rows(store.infos[key], row, name)
+        lse = LSE_READS[name](node) if name in LSE_READS else None
+        if getattr(node, "lse_of", None) is not None:
+            q, k, mask, lse_i = node.lse_of
+            tensors = node.saved_tensors
+            lse = (tensors[q], tensors[k], None if mask is None else tensors[mask], tensors[lse_i], node.scale,
+                   node.is_causal)
+        if lse is not None:
+            keys = [None if t is None else by_id.get(ident(t)) for t in lse[:4]]
+            marked += _recompute_lse(store.infos, keys, lse[2] is not None, lse[4], lse[5], name)
         own = getattr(node, "exact_reads", None)  # zoomem's own Functions declare theirs (indices of saved_tensors)
         if own:
             tensors = node.saved_tensors
@@ -116,6 +158,51 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
                 store.infos[key].lossy = f"read through a comparison, reciprocal or exponential ({name})"
                 marked += 1
     return marked
+
+
+def _group_rows(info: SavedInfo, row: int, name: str) -> int:
+    """Make ``info`` quantized in groups that follow rows of ``row`` elements (and those of any other such read of
+    it), or exact where no group size fits (returns 1 then)."""
+    group = row_group(row)
+    if group is not None and info.group != GROUP_SIZE:  # read in rows by another node too: groups that fit both
+        group = row_group(math.gcd(group, info.group))
+    if group is None:
+        info.lossy = f"read in rows of {row} by {name}, and no quantization group follows them"
+        return 1
+    info.group = group
+    return 0
+
+
+def _recompute_lse(infos: dict[str, SavedInfo], keys: list[str | None], has_mask: bool, scale: float | None,
+                   is_causal: bool, name: str) -> int:
+    """Let the log-sum-exp (``keys``: query, key, mask, log-sum-exp) come back recomputed from the stored query and
+    key (:attr:`SavedInfo.lse_of`), so those may be lossy; where the store could not (a tensor it never saw, or the
+    log-sum-exp saved before the query and key: it needs their stored forms), they stay exact (returns how many
+    that marks)."""
+    q, k, mask, lse = keys
+
+    def index(key: str) -> int:
+        return int(key.rsplit("#", 1)[1])
+
+    if q is not None and k is not None and lse is not None and (mask is not None or not has_mask) \
+            and index(lse) > max(index(q), index(k)):
+        infos[lse].lse_of = {"query": q, "key": k, "mask": mask, "scale": scale, "causal": bool(is_causal)}
+        for key in (q, k):
+            base = _base_key(infos, key)
+            infos[base].min_bits = max(infos[base].min_bits, EXP_MIN_BITS)
+        return 0
+    marked = 0
+    for key in (q, k):
+        if key is not None and infos[key].lossy is None:
+            infos[key].lossy = f"read through an exponential ({name}), its log-sum-exp not recomputable"
+            marked += 1
+    return marked
+
+
+def _base_key(infos: dict[str, SavedInfo], key: str) -> str:
+    """The key whose storage a duplicate save (:class:`~.storage.SavedTensorStore`) shares."""
+    reason = infos[key].lossy or ""
+    return reason[len("duplicate of "):] if reason.startswith("duplicate of ") else key
 
 
 def _keep_memories_whole(infos: dict[str, SavedInfo]) -> None:
@@ -299,7 +386,8 @@ def probe_saved(
         if sensitivity:
             params = [p for p in model.parameters() if p.requires_grad]
             eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
-            result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator)
+            result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator,
+                                          group_sizes={k: store.infos[k].group for k in eligible})
             for key, c in all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
                 store.infos[key].measured = result.measured

@@ -29,8 +29,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..compress.quantize import Quantized, dequantize, quantize
+from ..compress.quantize import GROUP_SIZE, Quantized, dequantize, quantize
 from ..measure import tensor_nbytes
+from ..ops.attention import attention_logsumexp
 from ..ops.functional import separate_masks
 from ..planner.compression import SavedInfo, region_of
 
@@ -90,8 +91,35 @@ class _Packed:
     key: str = ""
     store: "SavedTensorStore | None" = None  # recording stores only: perturbs keys on unpack (brute force)
     view_of: "tuple[_Packed, tuple[int, ...], tuple[int, ...], int] | None" = None  # (base, shape, stride, offset)
+    lse_of: "tuple[_Packed, _Packed, _Packed | None, float | None, bool] | None" = None
+    """A fused attention's log-sum-exp (this tensor): its query, key and mask as packed, scale, is_causal. Where the
+    query or key comes back rounded, so does this, recomputed from them (:attr:`SavedInfo.lse_of`)."""
+    _recent: "weakref.ref[torch.Tensor] | None" = None  # the last dequantized form, while something holds it
+
+    def lossy(self) -> bool:
+        """Whether :meth:`unpack` gives other values than were saved."""
+        if self.view_of is not None:
+            return self.view_of[0].lossy()
+        if self.quantized is not None:
+            return True
+        return self.store is not None and bool(self.store.perturb.get(self.key))
+
+    def peek(self) -> torch.Tensor:
+        """What :meth:`unpack` gives, without dequantizing again while backward still holds the last result."""
+        if self.view_of is not None:
+            base, shape, stride, offset = self.view_of
+            whole = base.peek()
+            return whole.as_strided(shape, stride, whole.storage_offset() + offset)
+        recent = self._recent() if self._recent is not None else None
+        return recent if recent is not None else self.unpack()
 
     def unpack(self) -> torch.Tensor:
+        if self.lse_of is not None and self.tensor is not None:
+            q, k, mask, scale, causal = self.lse_of
+            if q.lossy() or k.lossy():
+                return attention_logsumexp(q.peek(), k.peek(), None if mask is None else mask.peek(), causal, scale,
+                                           self.tensor)
+            return self.tensor
         if self.view_of is not None:
             base, shape, stride, offset = self.view_of
             whole = base.unpack()  # the tensor itself (at its own storage offset) or a fresh dequantized one
@@ -99,14 +127,21 @@ class _Packed:
         if self.tensor is not None:
             bits = self.store.perturb.get(self.key) if self.store is not None else None
             if bits:
-                q = quantize(self.tensor, bits, generator=self.store.generator)  # type: ignore[union-attr]
-                return self.tensor if q is None else dequantize(q)
+                group = self.store.groups.get(self.key, GROUP_SIZE)  # type: ignore[union-attr]
+                q = quantize(self.tensor, bits, group, generator=self.store.generator)  # type: ignore[union-attr]
+                if q is None:
+                    return self.tensor
+                out = dequantize(q)
+                self._recent = weakref.ref(out)
+                return out
             return self.tensor
         assert self.quantized is not None
         q = self.quantized
         if self.device is not None and q.codes.device != self.device:
             q = q.to(self.device, non_blocking=True)
-        return dequantize(q)
+        out = dequantize(q)
+        self._recent = weakref.ref(out)
+        return out
 
 
 @dataclass
@@ -115,12 +150,16 @@ class SavedTensorStore:
 
     Args:
         bits: key -> bits (1, 2, 4, 8) for tensors to quantize; a missing key is kept exact.
+        groups: key -> elements per quantization group, where not the default (:attr:`SavedInfo.group`).
+        lse_of: key of a fused attention's log-sum-exp -> what it is recomputed from (:attr:`SavedInfo.lse_of`).
         offload: move quantized forms to host memory until backward needs them.
         generator: the stochastic-rounding noise source (zoomem's own: the user's RNG stream is untouched).
         record: fill :attr:`infos` (and keep the tensors in :attr:`tensors`, for the sensitivity estimator).
     """
 
     bits: Mapping[str, int] = field(default_factory=dict)
+    groups: Mapping[str, int] = field(default_factory=dict)
+    lse_of: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     offload: bool = False
     generator: torch.Generator | None = None
     record: bool = False
@@ -134,6 +173,7 @@ class SavedTensorStore:
     _region: str = "<stem>"
     _counts: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
+    _by_key: dict[str, weakref.ref] = field(default_factory=dict)
     _bases: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int]]] = field(default_factory=dict)
     _loose: dict[tuple, list[tuple[weakref.ref, weakref.ref, int, int, tuple, tuple]]] = field(default_factory=dict)
     held: Mapping[tuple[str, int], str] = field(default_factory=dict)
@@ -178,6 +218,7 @@ class SavedTensorStore:
         before the forward: see :func:`lossy_reason`). On exit the store lets go of every packed object (autograd
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._held_ptrs = "<stem>", {}, {}, {}, {}
+        self._by_key = {}
         self._lossy_regions = frozenset(map(region_of, self.bits))
         self._bases, self._loose, self._unit_args = {}, {}, frozenset()
         self._leaves = None if model is None else frozenset(
@@ -189,6 +230,7 @@ class SavedTensorStore:
             packed = [ref() for _, ref, _ in self._seen.values()]
             self.packed_nbytes = sum(p.quantized.nbytes for p in packed if p is not None and p.quantized is not None)
             self._seen, self._input_ptrs, self._bases, self._loose, self._held_ptrs = {}, {}, {}, {}, {}
+            self._by_key = {}
             if not self.record:
                 self.tensors = {}
 
@@ -221,7 +263,9 @@ class SavedTensorStore:
             if self.record:
                 base = hit[2] if earlier is not None else view.view_of[0].key  # type: ignore[union-attr,index]
                 self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
-            return earlier if earlier is not None else view  # type: ignore[return-value]
+            same = earlier if earlier is not None else view
+            self._by_key[key] = weakref.ref(same)  # type: ignore[arg-type]
+            return same  # type: ignore[return-value]
         # the data only: autograd re-attaches the saved tensor's grad_fn on unpack, and a packed object holding
         # ``t`` itself closes a cycle through C++ (node -> saved -> t -> node) that Python's collector cannot see:
         # a graph never backpropagated (an exception, a forward without backward) would then leak. A constant (no
@@ -232,7 +276,7 @@ class SavedTensorStore:
         bits = self.bits.get(key)
         reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
         if bits and reason is None:
-            q = quantize(t, bits, generator=self.generator)
+            q = quantize(t, bits, self.groups.get(key, GROUP_SIZE), generator=self.generator)
             if q is not None:
                 if self.offload and t.device.type != "cpu":
                     q, packed.device = q.to("cpu", non_blocking=True), t.device
@@ -247,9 +291,12 @@ class SavedTensorStore:
                                         shares=shares)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
+        if key in self.lse_of and packed.tensor is not None:
+            packed.lse_of = self._lse_sources(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
         self._seen[ident] = (weakref.ref(anchor), weakref.ref(packed), key)
+        self._by_key[key] = weakref.ref(packed)
         where = (_ptr(t), t.dtype, t.device)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
             self._bases.setdefault(where, []).append(
@@ -259,6 +306,19 @@ class SavedTensorStore:
             self._loose.setdefault(where, []).append(
                 (weakref.ref(anchor), weakref.ref(packed), *_span(t), tuple(t.shape), tuple(t.stride())))
         return packed
+
+    def _lse_sources(self, key: str) -> tuple:  # type: ignore[type-arg]
+        """The packed query, key and mask the log-sum-exp saved under ``key`` is recomputed from."""
+        spec = self.lse_of[key]
+        names = [spec["query"], spec["key"], spec["mask"]]
+        found = [None if n is None else (self._by_key[n]() if n in self._by_key else None) for n in names]
+        missing = [n for n, f in zip(names, found) if n is not None and f is None]
+        if missing:
+            raise RuntimeError(
+                f"zoomem: the plan recomputes the attention log-sum-exp saved as {key} from {', '.join(missing)}, "
+                "which this forward did not save before it: the model's forward no longer matches its plan. "
+                "Re-plan it (zoomem.unwrap, then zoomem.wrap) or report the model.")
+        return (*found, spec["scale"], spec["causal"])
 
     def _adopt_loose(self, where: tuple, base: _Packed, base_key: str, offset: int, numel: int) -> None:
         """Make the views saved earlier that lie in ``base``'s memory views of its packed form: their own packed

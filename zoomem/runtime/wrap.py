@@ -67,7 +67,8 @@ class _Active:
 
     @classmethod
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
-        store = SavedTensorStore(bits=plan.bits, offload=plan.offload, generator=generator) if plan.bits else None
+        store = SavedTensorStore(bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload,
+                                 generator=generator) if plan.bits else None
         compact = frozenset(u.name for u in plan.units if u.compact)
         if plan.outside_compact:
             compact |= {OUTSIDE_UNITS}
