@@ -201,7 +201,8 @@ def test_fused_attentions_query_key_and_narrow_norms_input_without_sensitivities
         assert any(i.lossy and "rows of 100" in i.lossy for i in infos) == (group is None)
 
 
-def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp() -> None:
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped-query attention (Mistral, Qwen2, Gemma)
+def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp(kv_heads: int) -> None:
     """The CPU fused kernel's backward rebuilds its probabilities as ``exp(scores - lse)``: from a rounded q and k
     and the exact log-sum-exp, rows no longer sum to one. The store recomputes the log-sum-exp from the stored q and
     k, so they do: v's gradient (``P^T dO``) sums over the keys to what ``dO`` sums to, here with a padding mask and
@@ -218,13 +219,15 @@ def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp() -> None:
     class Attend(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             q, k, v = (x * 3).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
-            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            k, v = k[:, :kv_heads], v[:, :kv_heads]
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads < 4)
 
     model, x = Attend(), torch.randn(2, 48, 3 * 4 * 32, requires_grad=True)
     infos, _ = probe_saved(model, zoomem.Batch(args=(x,)), lambda out, b: out.sum(), [], sensitivity=False)
     (lse,) = [i for i in infos if i.lse_of]
     grad = torch.randn(2, 4, 48, 32)
     grad[0, :, 7] = 0
+    expected = grad.sum(-2).unflatten(1, (kv_heads, -1)).sum(2)  # a key head's v serves 4 / kv_heads query heads
     off = {}
     for name, lse_of in (("recomputed", {lse.key: lse.lse_of}), ("as saved", {})):
         store = SavedTensorStore(bits={lse.lse_of["query"]: 2, lse.lse_of["key"]: 2}, lse_of=lse_of,
@@ -233,8 +236,8 @@ def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp() -> None:
             out = model(x)
         x.grad = None
         out.backward(grad)
-        gv = x.grad.unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)[2] / 3  # d out / d v, through x * 3
-        off[name] = float((gv.sum(-2) - grad.sum(-2)).abs().max() / grad.sum(-2).abs().max())
+        gv = x.grad.unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)[2, :, :kv_heads] / 3  # through x * 3
+        off[name] = float((gv.sum(-2) - expected).abs().max() / expected.abs().max())
     assert off["recomputed"] < 1e-4 and off["as saved"] > 0.1, off
 
 

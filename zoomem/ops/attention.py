@@ -117,6 +117,8 @@ def attention_logsumexp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
     a time (scores of a quarter of ``q``'s size, at most ``2**22``: backward holds the dequantized q and k then)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     q, k = q.float(), k.float()
+    if k.dim() >= 3 and k.size(-3) != q.size(-3):  # grouped-query attention: a key head serves several query heads
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
     n, m = q.size(-2), k.size(-2)
     rows = max(1, min(1 << 22, q.numel() // 4) // max(1, m * math.prod(q.shape[:-2])))
     full = None if mask is None else mask.expand(*mask.shape[:-2], n, m)
