@@ -201,6 +201,28 @@ def test_fused_attentions_query_key_and_narrow_norms_input_without_sensitivities
         assert any(i.lossy and "rows of 100" in i.lossy for i in infos) == (group is None)
 
 
+def test_a_composed_rms_norms_input_is_grouped_by_its_rows() -> None:
+    """HF's RMSNorms compose ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``: the probe finds the mean of
+    squares over the trailing dimension and groups ``x`` by its rows (96 of a 96-wide norm, 224 of Qwen2-0.5B's
+    896), exact where no group fits (100); a mean of squares over another dimension changes nothing."""
+    from zoomem.runtime.probe import probe_saved
+
+    class RMSNorm(nn.Module):
+        def __init__(self, width: int, dim: int) -> None:
+            super().__init__()
+            self.lin, self.weight, self.dim = nn.Linear(width, width), nn.Parameter(torch.ones(width)), dim
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(self.dim, keepdim=True) + 1e-6))
+
+    for width, dim, group in ((96, -1, 96), (896, -1, 224), (100, -1, None), (96, 1, 256)):
+        infos, _ = probe_saved(RMSNorm(width, dim), zoomem.Batch(args=(torch.randn(4, 50, width),)),
+                               lambda out, b: out.square().mean(), [], sensitivity=False)
+        (h,) = [i for i in infos if i.shape == (4, 50, width) and not (i.lossy or "").startswith("duplicate")][:1]
+        assert (h.group if h.lossy is None else None) == group, (width, dim, h)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped-query attention (Mistral, Qwen2, Gemma)
 def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp(kv_heads: int) -> None:
     """The CPU fused kernel's backward rebuilds its probabilities as ``exp(scores - lse)``: from a rounded q and k

@@ -85,13 +85,34 @@ moves the scores, and the probabilities by ``exp`` of that, further than a first
 qkv weights scaled 3x, as sharp as trained attention, 64 px, ``L1.2``) fails with q and k in 2 bits (this set to
 1): a squared gradient error 6.0 times the squared gradient norm where the plan predicted 0.94."""
 
-ROW_READS: dict[str, Callable[[Any], tuple[str, int]]] = {
-    "NativeLayerNormBackward0": lambda node: ("_saved_input", math.prod(node._saved_normalized_shape)),
+def _mean_of_squares(node: Any) -> list[tuple[torch.Tensor, int]]:
+    """``x.pow(2).mean(-1, keepdim=True)`` over trailing dimensions, as HF's RMSNorms (Llama, Mistral, Qwen2, Gemma,
+    T5) compose it: ``x`` is then normalised by its rows' root mean square, and saved for that (and by the power)."""
+    below = node.next_functions[0][0] if node.next_functions else None
+    name = type(below).__name__
+    if name == "PowBackward0" and getattr(below, "_saved_exponent", None) == 2:
+        x = below._saved_self
+    elif name == "MulBackward0" and below._saved_self is not None and below._saved_other is not None \
+            and below._saved_self.data_ptr() == below._saved_other.data_ptr():  # x * x
+        x = below._saved_self
+    else:
+        return []
+    sizes = node._saved_self_sym_sizes
+    dims = sorted({(d - (1 << 64) if d >= 1 << 63 else d) % len(sizes) for d in node._saved_dim})
+    if not dims or dims != list(range(len(sizes) - len(dims), len(sizes))):  # not the trailing dimensions
+        return []
+    return [(x, math.prod(sizes[d] for d in dims))]
+
+
+ROW_READS: dict[str, Callable[[Any], list[tuple[torch.Tensor, int]]]] = {
+    "NativeLayerNormBackward0": lambda node: [(node._saved_input, math.prod(node._saved_normalized_shape))],
+    "MeanBackward1": _mean_of_squares,
 }
 """Autograd nodes whose backward reads a saved tensor in rows, each normalised by its own spread (a layer norm's
-input, read as ``(x - mean) * rstd``, its backward quadratic in that): (its attribute, the row's length). That
-tensor is quantized in groups that follow the rows (:func:`zoomem.compress.quantize.row_group`), or stays exact
-where no group size fits. zoomem's own Functions declare theirs as ``norm_rows`` (index in ``saved_tensors``, row)."""
+input, read as ``(x - mean) * rstd``, its backward quadratic in that; a composed RMSNorm's, found at the mean of its
+squares): [(the tensor, the row's length)]. That tensor is quantized in groups that follow the rows
+(:func:`zoomem.compress.quantize.row_group`), or stays exact where no group size fits. zoomem's own Functions
+declare theirs as ``norm_rows`` (index in ``saved_tensors``, row)."""
 
 
 _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
@@ -122,8 +143,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
         name = type(node).__name__
         rows = [(node.saved_tensors[i], row) for i, row in getattr(node, "norm_rows", ())]
         if name in ROW_READS:
-            attr, row = ROW_READS[name](node)
-            rows.append((getattr(node, attr), row))
+            rows += ROW_READS[name](node)
         for t, row in rows:
             key = by_id.get(ident(t))
             if key is not None and store.infos[key].lossy is None:
