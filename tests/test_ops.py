@@ -1001,15 +1001,16 @@ def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) 
 
 # CPU flash attention for the sensitivity probe: the stock kernel's values, and a backward a second backward
 # can go through
-@pytest.mark.parametrize("case", ["plain", "causal", "float_mask", "bool_mask", "scale"])
+@pytest.mark.parametrize("case", ["plain", "causal", "float_mask", "bool_mask", "scale", "grouped"])
 def test_differentiable_attention_is_the_stock_kernel(case: str) -> None:
+    """"grouped": grouped-query attention (Mistral, Qwen2, Gemma), 4 query heads to 2 key and value heads."""
     import torch.nn.functional as F
 
     from zoomem.ops.attention import differentiable_attention
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 10, 8, requires_grad=True) for _ in range(3))
-    kw: dict = {"causal": {"is_causal": True}, "scale": {"scale": 0.2},
+    q, k, v = (torch.randn(2, 4 if case == "grouped" and i == 0 else 2, 10, 8, requires_grad=True) for i in range(3))
+    kw: dict = {"causal": {"is_causal": True}, "scale": {"scale": 0.2}, "grouped": {"enable_gqa": True},
                 "float_mask": {"attn_mask": torch.randn(2, 1, 10, 10)}}.get(case, {})
     if case == "bool_mask":
         mask = torch.rand(10, 10) > 0.3
@@ -1025,16 +1026,18 @@ def test_differentiable_attention_is_the_stock_kernel(case: str) -> None:
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), g), ref_grads))
     with differentiable_attention():  # dropout goes to PyTorch's math path, which is differentiable already
-        dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=case == "grouped")
     assert dropped.grad_fn.name() != "FlashAttentionCpuBackward"
 
 
-@pytest.mark.parametrize("mask, causal", [(False, False), (True, False), (False, True)])
-def test_differentiable_attention_gradgradcheck(mask: bool, causal: bool) -> None:
+@pytest.mark.parametrize("mask, causal, kv_heads", [(False, False, 2), (True, False, 2), (False, True, 2),
+                                                    (True, False, 1)])
+def test_differentiable_attention_gradgradcheck(mask: bool, causal: bool, kv_heads: int) -> None:
     from zoomem.ops.attention import FlashAttentionCpu
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2 if i == 0 else kv_heads, 5, 4, dtype=torch.float64, requires_grad=True)
+               for i in range(3))
     m = torch.randn(1, 1, 5, 5, dtype=torch.float64) if mask else None
 
     def f(q, k, v):  # type: ignore[no-untyped-def]

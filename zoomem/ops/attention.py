@@ -81,6 +81,9 @@ def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     a lossy store brings it back: :func:`attention_logsumexp`), so the derivatives the sensitivity probe takes with
     respect to the saved ``q`` and ``k`` include the normalisation's."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    heads, kv_heads = q.size(-3), k.size(-3)
+    if kv_heads != heads:  # grouped-query attention: each key and value head serves several query heads
+        k, v = k.repeat_interleave(heads // kv_heads, -3), v.repeat_interleave(heads // kv_heads, -3)
     scores = _masked_scores(q, k, mask, is_causal, s)
     fresh = torch.logsumexp(scores, -1)
     lse = torch.where(torch.isfinite(fresh), fresh, lse.to(fresh.dtype))  # fully masked rows: the kernel's value
@@ -93,7 +96,10 @@ def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
     if grad_lse is not None:  # d lse / d scores = p
         ds = ds + p * grad_lse.unsqueeze(-1).to(p.dtype)
-    return (ds @ k) * s, (ds.transpose(-2, -1) @ q) * s, gv
+    gk = (ds.transpose(-2, -1) @ q) * s
+    if kv_heads != heads:  # summed over the query heads each key and value head served
+        gk, gv = (g.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3) for g in (gk, gv))
+    return (ds @ k) * s, gk, gv
 
 
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -143,7 +149,7 @@ def _bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class differentiable_attention(RoutingMode):
     """Inside the block, ``F.scaled_dot_product_attention`` calls that PyTorch would run on the CPU flash kernel
-    (CPU tensors needing a gradient, no dropout, no grouped-query expansion, no mask that needs a gradient) run
+    (CPU tensors needing a gradient, no dropout, no mask that needs a gradient; grouped-query attention too) run
     :class:`FlashAttentionCpu`:
     the same values and saved tensors, and a backward that a second backward can go through. Other calls run
     as they are.
@@ -157,13 +163,16 @@ class differentiable_attention(RoutingMode):
     def route(self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         tensors = (query, key, value)
-        if (enable_gqa or dropout_p != 0.0 or not all(isinstance(t, torch.Tensor) for t in tensors)
+        if (dropout_p != 0.0 or not all(isinstance(t, torch.Tensor) for t in tensors)
                 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
                 or any(t.device.type != "cpu" for t in tensors)
                 or (attn_mask is not None and not isinstance(attn_mask, torch.Tensor))
                 or (attn_mask is not None and attn_mask.requires_grad)):  # a learned bias: its gradient is aten's
             return None
-        if torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale) != _FLASH:
+        if torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                   enable_gqa=enable_gqa) != _FLASH:
+            return None
+        if query.dim() < 3 or (key.size(-3) != query.size(-3) and not enable_gqa):
             return None
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = _bool_to_additive(attn_mask, query.dtype)
