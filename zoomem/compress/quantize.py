@@ -70,7 +70,8 @@ def group_layout(shape: torch.Size | tuple[int, ...], group_size: int = GROUP_SI
 
 
 MIN_ROW_GROUP = 32
-"""The narrowest group :func:`row_group` gives: below it the groups' own bytes (8 each) outweigh the savings."""
+"""The narrowest group :func:`row_group` gives: at 32 elements a group's min and scale (8 bytes) already weigh as
+much as its values at 2 bits."""
 
 
 def row_group(row: int, group_size: int = GROUP_SIZE) -> int | None:

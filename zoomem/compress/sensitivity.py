@@ -68,6 +68,7 @@ def estimate_sensitivity(
     generator: torch.Generator | None = None,
     group_size: int = GROUP_SIZE,
     group_sizes: Mapping[str, int] | None = None,
+    aliases: Mapping[str, Sequence[torch.Tensor]] | None = None,
 ) -> Sensitivity:
     """C_s for every tensor in ``saved`` (see the module docstring), from ``samples`` Hutchinson probes.
 
@@ -78,6 +79,9 @@ def estimate_sensitivity(
         samples: sign vectors to average over (each costs one backward).
         generator: source of the signs (zoomem's own, the user's RNG stream is untouched).
         group_size: elements per quantization group; ``group_sizes``: key -> its own, where not ``group_size``.
+        aliases: key -> other tensor objects saved as that very tensor (its elements in its order: the same layout or
+            a reshape; each with its own autograd node: the 2-D views of one input that query, key and value
+            projections each save). The stored value is theirs too, so its ``J^T v`` is the sum over them.
 
     Returns:
         key -> C_s (0.0 for tensors the parameter gradient does not depend on), and ``||g||**2``.
@@ -90,11 +94,18 @@ def estimate_sensitivity(
     grad_sq = float(sum(float(g.detach().double().square().sum()) for g in grads if g is not None))
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]
     by_node: dict[torch.autograd.graph.Node, list[tuple[int, str]]] = {}
+    reads: dict[str, int] = {}  # key -> how many autograd edges carry its J^T v
     for key, t in saved.items():
         if t.grad_fn is None:
             continue
-        edge = torch.autograd.graph.get_gradient_edge(t)
-        by_node.setdefault(edge.node, []).append((edge.output_nr, key))
+        edges: set[tuple[int, int]] = set()
+        for obj in (t, *(aliases or {}).get(key, ())):
+            edge = torch.autograd.graph.get_gradient_edge(obj)
+            if obj.grad_fn is None or (id(edge.node), edge.output_nr) in edges:
+                continue
+            edges.add((id(edge.node), edge.output_nr))
+            by_node.setdefault(edge.node, []).append((edge.output_nr, key))
+        reads[key] = len(edges)
     if not pairs or not by_node:
         return Sensitivity(out, grad_sq)
     groups = {key: (group_sizes or {}).get(key, group_size) for key in saved}
@@ -107,13 +118,29 @@ def estimate_sensitivity(
         probe = sum((g * v).sum() for (_, g), v in zip(pairs, signs))
         del signs
         captured: dict[str, torch.Tensor] = {}
+        partial: dict[str, list] = {}  # type: ignore[type-arg]  # key -> [sum of J^T v so far, edges seen]
+
+        def reduce(key: str, grad: torch.Tensor) -> None:
+            per_group, _ = _grouped(grad.float().square(), groups[key])
+            captured[key] = (range_sq[key] * per_group.sum(dim=1)).sum()
 
         def make_hook(entries: list[tuple[int, str]]) -> Callable:  # type: ignore[type-arg]
             def hook(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
                 for nr, key in entries:  # reduced at once: holding every J^T v would add a copy of the activations
-                    if grad_outputs[nr] is not None:
-                        per_group, _ = _grouped(grad_outputs[nr].detach().float().square(), groups[key])
-                        captured[key] = (range_sq[key] * per_group.sum(dim=1)).sum()
+                    grad = grad_outputs[nr]
+                    if reads[key] == 1:
+                        if grad is not None:
+                            reduce(key, grad.detach())
+                        continue
+                    part = partial.setdefault(key, [None, 0])  # an aliased tensor: summed over its edges first
+                    if grad is not None:
+                        grad = grad.detach().reshape(saved[key].shape)  # an alias may be a reshape of it
+                        part[0] = grad.float() if part[0] is None else part[0] + grad
+                    part[1] += 1
+                    if part[1] == reads[key]:
+                        total = partial.pop(key)[0]
+                        if total is not None:
+                            reduce(key, total)
                 return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
 
             return hook
@@ -131,6 +158,9 @@ def estimate_sensitivity(
         finally:
             for h in handles:
                 h.remove()
+        for key, (total, _) in partial.items():  # edges the backward never reached
+            if total is not None:
+                reduce(key, total)
         for key, total in captured.items():
             out[key] += float(total) / 6 / samples
     return Sensitivity(out, grad_sq)

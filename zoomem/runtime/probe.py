@@ -129,7 +129,10 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
     def ident(t: torch.Tensor) -> tuple:  # type: ignore[type-arg]  (unpacking makes new objects: match storage)
         return (t.data_ptr(), tuple(t.shape), t.stride()) if t.layout == torch.strided else (id(t),)
 
-    by_id = {ident(t): key for key, t in store.tensors.items()}
+    own_id = {ident(t): key for key, t in store.tensors.items()}
+    for key, t in store.duplicates.items():
+        own_id.setdefault(ident(t), key)
+    by_id = {i: _base_key(store.infos, key) for i, key in own_id.items()}  # what is read through a duplicate save
     seen: set[int] = set()
     stack = [root.grad_fn]
     marked = 0
@@ -139,7 +142,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
             continue
         seen.add(id(node))
         stack.extend(n for n, _ in node.next_functions)
-        _number_node(node, len(seen), by_id, store, ident)
+        _number_node(node, len(seen), own_id, store, ident)
         name = type(node).__name__
         rows = [(node.saved_tensors[i], row) for i, row in getattr(node, "norm_rows", ())]
         if name in ROW_READS:
@@ -155,7 +158,7 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
             lse = (tensors[q], tensors[k], None if mask is None else tensors[mask], tensors[lse_i], node.scale,
                    node.is_causal)
         if lse is not None:
-            keys = [None if t is None else by_id.get(ident(t)) for t in lse[:4]]
+            keys = [None if t is None else own_id.get(ident(t)) for t in lse[:4]]  # the store finds them by these
             marked += _recompute_lse(store.infos, keys, lse[2] is not None, lse[4], lse[5], name)
         own = getattr(node, "exact_reads", None)  # zoomem's own Functions declare theirs (indices of saved_tensors)
         if own:
@@ -212,11 +215,49 @@ def _recompute_lse(infos: dict[str, SavedInfo], keys: list[str | None], has_mask
             infos[base].min_bits = max(infos[base].min_bits, EXP_MIN_BITS)
         return 0
     marked = 0
-    for key in (q, k):
-        if key is not None and infos[key].lossy is None:
+    for key in (_base_key(infos, key) for key in (q, k) if key is not None):
+        if infos[key].lossy is None:
             infos[key].lossy = f"read through an exponential ({name}), its log-sum-exp not recomputable"
             marked += 1
     return marked
+
+
+def _aliases(store: SavedTensorStore) -> dict[str, list[torch.Tensor]]:
+    """Lossy-eligible key -> the other objects saved as its tensor that are sibling views of it: its elements in its
+    order (the same layout, or a contiguous reshape of the same memory), made by a view of the same tensor for
+    another op (the 2-D views of one input that query, key and value projections each make; HF's LM-head loss's
+    alias of the hidden states the head's 2-D view holds). Each has its own autograd node, so rounding the stored
+    tensor moves their uses too and its sensitivity sums their gradients
+    (:func:`~zoomem.compress.estimate_sensitivity`). The tensor itself, saved beside a view of it, is no sibling:
+    its node is upstream of every use in the forward, and the sensitivity estimate stops at the views' nodes."""
+    out: dict[str, list[torch.Tensor]] = {}
+    dups = [*store.duplicates.items(), *((k, t) for k, t in store.tensors.items()
+                                        if (store.infos[k].lossy or "").startswith("duplicate of "))]
+    for key, t in dups:
+        base = _base_key(store.infos, key)
+        first = store.tensors.get(base)
+        if first is None or t is first or store.infos[base].lossy is not None or t.layout != torch.strided:
+            continue
+        same = t.shape == first.shape and t.stride() == first.stride()
+        reshaped = t.numel() == first.numel() and t.is_contiguous() and first.is_contiguous()
+        parent = _view_parent(t)
+        if (same or reshaped) and t.storage_offset() == first.storage_offset() and parent is not None \
+                and parent is _view_parent(first):
+            out.setdefault(base, []).append(t)
+    return out
+
+
+_VIEWS = frozenset({"ViewBackward0", "AliasBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                    "SliceBackward0"})
+
+
+def _view_parent(t: torch.Tensor) -> Any:
+    """The first autograd node above ``t``'s that is no view (``view``/``reshape``/``alias``/slicing): what ``t`` is
+    a view of; ``None`` where ``t`` is no view."""
+    node, parent = t.grad_fn, None
+    while node is not None and type(node).__name__ in _VIEWS and len(node.next_functions) >= 1:
+        node = parent = node.next_functions[0][0]
+    return parent
 
 
 def _base_key(infos: dict[str, SavedInfo], key: str) -> str:
@@ -407,7 +448,8 @@ def probe_saved(
             params = [p for p in model.parameters() if p.requires_grad]
             eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
             result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator,
-                                          group_sizes={k: store.infos[k].group for k in eligible})
+                                          group_sizes={k: store.infos[k].group for k in eligible},
+                                          aliases=_aliases(store))
             for key, c in all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
                 store.infos[key].measured = result.measured
@@ -418,6 +460,7 @@ def probe_saved(
     for info in infos:
         info.dead_at = dead_at.get(info.key)
     store.tensors.clear()
+    store.duplicates.clear()
     logger.info("zoomem: measured %d saved tensors%s in %.2f s", len(infos),
                 " and their sensitivities" if sensitivity else "", time.perf_counter() - t0)
     return infos, grad_sq

@@ -168,6 +168,10 @@ class SavedTensorStore:
     """With ``record``: keys quantized afresh each time backward unpacks them (for brute-force variance)."""
     infos: dict[str, SavedInfo] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    duplicates: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With ``record``: the objects saved under keys stored as another's (:attr:`SavedInfo.lossy` ``"duplicate of
+    ..."``: the 2-D views of one input that a layer's query, key and value projections each make and save). What
+    backward reads through them is what the stored tensor holds (:func:`zoomem.runtime.probe.probe_saved`)."""
     packed_nbytes: int = 0
     """Bytes the quantized forms of the last forward held."""
     _region: str = "<stem>"
@@ -232,7 +236,7 @@ class SavedTensorStore:
             self._seen, self._input_ptrs, self._bases, self._loose, self._held_ptrs = {}, {}, {}, {}, {}
             self._by_key = {}
             if not self.record:
-                self.tensors = {}
+                self.tensors, self.duplicates = {}, {}
 
     def unit_returned(self, name: str, output: Any) -> None:
         """Recording: mark the tensors unit ``name`` saved that are (views of) what it returns. Packing them frees
@@ -263,6 +267,7 @@ class SavedTensorStore:
             if self.record:
                 base = hit[2] if earlier is not None else view.view_of[0].key  # type: ignore[union-attr,index]
                 self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
+                self.duplicates[key] = t
             same = earlier if earlier is not None else view
             self._by_key[key] = weakref.ref(same)  # type: ignore[arg-type]
             return same  # type: ignore[return-value]
