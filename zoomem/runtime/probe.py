@@ -228,8 +228,8 @@ def _aliases(store: SavedTensorStore) -> dict[str, list[torch.Tensor]]:
     another op (the 2-D views of one input that query, key and value projections each make; HF's LM-head loss's
     alias of the hidden states the head's 2-D view holds). Each has its own autograd node, so rounding the stored
     tensor moves their uses too and its sensitivity sums their gradients
-    (:func:`~zoomem.compress.estimate_sensitivity`). The tensor itself, saved beside a view of it, is no sibling:
-    its node is upstream of every use in the forward, and the sensitivity estimate stops at the views' nodes."""
+    (:func:`~zoomem.compress.estimate_sensitivity`). The tensor itself saved beside a view of it is no sibling: its
+    node is upstream of all its uses in the forward, so what reaches it there would count other tensors' terms."""
     out: dict[str, list[torch.Tensor]] = {}
     dups = [*store.duplicates.items(), *((k, t) for k, t in store.tensors.items()
                                         if (store.infos[k].lossy or "").startswith("duplicate of "))]
