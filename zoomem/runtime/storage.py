@@ -6,8 +6,11 @@ thread-local context, never a process-global hook). Each distinct saved tensor g
 ``k`` counts distinct tensors saved in that region, so the same step with the same input signature names its
 tensors the same way every time. What the store does with a tensor depends on its key:
 
-- ``bits[key]`` set and the tensor lossy-eligible: it is quantized (:func:`~zoomem.compress.quantize`) and
-  dequantized when backward unpacks it; with ``offload`` the packed form moves to host memory in between;
+- ``bits[key]`` set and the tensor lossy-eligible: it is quantized (:func:`~zoomem.compress.quantize`, in groups of
+  ``groups[key]`` elements where backward reads it in rows, else 256) and dequantized when backward unpacks it; with
+  ``offload`` the packed form moves to host memory in between;
+- ``lse_of[key]`` set (a fused attention's log-sum-exp) and its query or key stored lossily: it comes back
+  recomputed from their stored forms, so the kernel's backward rebuilds probabilities that sum to one;
 - otherwise it is kept as is.
 
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
