@@ -82,8 +82,7 @@ def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     respect to the saved ``q`` and ``k`` include the normalisation's."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     heads, kv_heads = q.size(-3), k.size(-3)
-    if kv_heads != heads:  # grouped-query attention: each key and value head serves several query heads
-        k, v = k.repeat_interleave(heads // kv_heads, -3), v.repeat_interleave(heads // kv_heads, -3)
+    k, v = _expand_heads(k, heads), _expand_heads(v, heads)
     scores = _masked_scores(q, k, mask, is_causal, s)
     fresh = torch.logsumexp(scores, -1)
     lse = torch.where(torch.isfinite(fresh), fresh, lse.to(fresh.dtype))  # fully masked rows: the kernel's value
@@ -102,15 +101,22 @@ def _attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     return (ds @ k) * s, gk, gv
 
 
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention's key or value heads, each repeated for the query heads it serves."""
+    return t if t.dim() < 3 or t.size(-3) == heads else t.repeat_interleave(heads // t.size(-3), -3)
+
+
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                   scale: float) -> torch.Tensor:
-    """``q @ k.T * scale + mask`` as the fused kernels see them (``is_causal``: -inf above the diagonal)."""
+                   scale: float, first_row: int = 0) -> torch.Tensor:
+    """``q @ k.T * scale + mask`` as the fused kernels see them (``is_causal``: -inf above the diagonal);
+    ``first_row``: ``q`` and ``mask`` are the rows from there on."""
     scores = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
-        scores = scores + (_bool_to_additive(mask, scores.dtype) if mask.dtype == torch.bool else mask)
+        scores = scores + (_bool_to_additive(mask, scores.dtype) if mask.dtype == torch.bool else mask.to(scores.dtype))
     if is_causal:
         n, m = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        above = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + first_row)
+        scores = scores.masked_fill(above, float("-inf"))
     return scores
 
 
@@ -122,22 +128,13 @@ def attention_logsumexp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
     ``exp`` of its error. Rows the mask removes entirely keep ``like``'s value. In fp32, a block of query rows at
     a time (scores of a quarter of ``q``'s size, at most ``2**22``: backward holds the dequantized q and k then)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
-    q, k = q.float(), k.float()
-    if k.dim() >= 3 and k.size(-3) != q.size(-3):  # grouped-query attention: a key head serves several query heads
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    q, k = q.float(), _expand_heads(k.float(), q.size(-3) if q.dim() >= 3 else 1)
     n, m = q.size(-2), k.size(-2)
     rows = max(1, min(1 << 22, q.numel() // 4) // max(1, m * math.prod(q.shape[:-2])))
     full = None if mask is None else mask.expand(*mask.shape[:-2], n, m)
-    parts = []
-    for i in range(0, n, rows):
-        scores = (q[..., i:i + rows, :] @ k.transpose(-2, -1)) * s
-        if full is not None:
-            part = full[..., i:i + rows, :]
-            scores = scores + (_bool_to_additive(part, scores.dtype) if part.dtype == torch.bool else part.float())
-        if is_causal:
-            above = torch.ones(scores.size(-2), m, dtype=torch.bool, device=q.device).triu(1 + i)
-            scores = scores.masked_fill(above, float("-inf"))
-        parts.append(torch.logsumexp(scores, -1))
+    parts = [torch.logsumexp(_masked_scores(q[..., i:i + rows, :], k, None if full is None
+                                            else full[..., i:i + rows, :], is_causal, s, i), -1)
+             for i in range(0, n, rows)]
     fresh = torch.cat(parts, -1)
     return torch.where(torch.isfinite(fresh), fresh, like.float()).to(like.dtype)
 
