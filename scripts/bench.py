@@ -1280,7 +1280,9 @@ def _compress_info(plan: Any) -> dict[str, Any]:
     by_bits: Counter[int] = Counter()
     for k, b in plan.bits.items():
         by_bits[b] += sizes.get(k, 0)
-    exact = Counter("duplicate of another saved tensor (stored once)" if d["lossy"].startswith("duplicate of ")
+    from zoomem.planner.compression import duplicate_of
+
+    exact = Counter("duplicate of another saved tensor (stored once)" if duplicate_of(d["lossy"]) is not None
                     else d["lossy"] for d in plan.saved if d["lossy"])
     exact["eligible, zero measured sensitivity"] = sum(
         1 for d in plan.saved if not d["lossy"] and not d.get("sensitivity"))

@@ -16,8 +16,8 @@ import torch
 
 from ..compress.quantize import BITS, GROUP_SIZE, quantized_nbytes
 
-__all__ = ["LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "get_level", "region_of",
-           "total_variance"]
+__all__ = ["DUPLICATE", "LEVELS", "CompressOptions", "Level", "SavedInfo", "allocate_bits", "duplicate_of",
+           "get_level", "region_of", "total_variance"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,15 @@ logger = logging.getLogger(__name__)
 def region_of(key: str) -> str:
     """The region (a unit's name, ``<stem>`` or ``<after:unit>``) of a saved tensor's key ``"<region>#<k>"``."""
     return key.rsplit("#", 1)[0]
+
+
+DUPLICATE = "duplicate of "
+"""How :attr:`SavedInfo.lossy` starts for a save stored as an earlier one (the same tensor, or a view of it)."""
+
+
+def duplicate_of(lossy: str | None) -> str | None:
+    """The key whose stored form a duplicate save shares (its ``lossy`` reason names it), or ``None``."""
+    return lossy[len(DUPLICATE):] if lossy is not None and lossy.startswith(DUPLICATE) else None
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..graph import OUTSIDE, OpGraph
 from ..graph.model import is_activation
-from .compression import SavedInfo, region_of
+from .compression import SavedInfo, duplicate_of, region_of
 from .plan import Decision
 
 __all__ = ["CompactSaving", "CostModel", "EXPENSIVE_KINDS", "OUTSIDE_UNITS"]
@@ -332,7 +332,7 @@ class CostModel:
         self.saved_alive = [max([k + int(s.unit_output), *(seg[u] for u in s.input_of if u in seg),
                                  seg_of(s.held_through) if s.held_through else k])
                             for s, k in zip(self.saved, self.saved_seg)]
-        aliases = {s.key: s.lossy[len("duplicate of "):] for s in infos if (s.lossy or "").startswith("duplicate of ")}
+        aliases = {s.key: base for s in infos if (base := duplicate_of(s.lossy)) is not None}
         self.own_windows = self._own_windows(aliases)
         self.own_forward = self._own_forward()
         self.grad_sq = grad_sq

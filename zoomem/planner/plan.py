@@ -6,6 +6,7 @@ import enum
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 __all__ = ["Decision", "Plan", "UnitPlan", "parse_budget", "InfeasibleBudgetError"]
@@ -126,21 +127,23 @@ class Plan:
     def decisions(self) -> dict[str, Decision]:
         return {u.name: u.decision for u in self.units}
 
-    @property
+    @cached_property
     def groups(self) -> dict[str, int]:
         """Saved-tensor key -> elements per quantization group, for the lossy tensors not grouped by the default
-        (:attr:`~zoomem.planner.compression.SavedInfo.group`)."""
+        (:attr:`~zoomem.planner.compression.SavedInfo.group`). Worked out once: every training step's store reads
+        it, and a plan's ``bits`` and ``saved`` are fixed once it is made."""
         from ..compress.quantize import GROUP_SIZE
 
         return {d["key"]: d["group"] for d in self.saved
                 if d["key"] in self.bits and d.get("group", GROUP_SIZE) != GROUP_SIZE}
 
-    @property
+    @cached_property
     def lse_of(self) -> dict[str, dict[str, Any]]:
         """Saved-tensor key of a fused attention's log-sum-exp -> what to recompute it from, where its query or key
-        is lossy (:attr:`~zoomem.planner.compression.SavedInfo.lse_of`)."""
-        base = {d["key"]: d["lossy"][len("duplicate of "):] for d in self.saved
-                if (d["lossy"] or "").startswith("duplicate of ")}
+        is lossy (:attr:`~zoomem.planner.compression.SavedInfo.lse_of`). Worked out once, as :attr:`groups`."""
+        from .compression import duplicate_of
+
+        base = {d["key"]: duplicate_of(d["lossy"]) or d["key"] for d in self.saved}
         return {d["key"]: d["lse_of"] for d in self.saved if d.get("lse_of")
                 and any(base.get(d["lse_of"][t], d["lse_of"][t]) in self.bits for t in ("query", "key"))}
 

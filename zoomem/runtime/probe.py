@@ -25,7 +25,7 @@ from ..compress.quantize import GROUP_SIZE, row_group
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..ops.functional import separate_masks
-from ..planner.compression import SavedInfo, floor_sensitivities
+from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
@@ -232,7 +232,7 @@ def _aliases(store: SavedTensorStore) -> dict[str, list[torch.Tensor]]:
     node is upstream of all its uses in the forward, so what reaches it there would count other tensors' terms."""
     out: dict[str, list[torch.Tensor]] = {}
     dups = [*store.duplicates.items(), *((k, t) for k, t in store.tensors.items()
-                                        if (store.infos[k].lossy or "").startswith("duplicate of "))]
+                                        if duplicate_of(store.infos[k].lossy) is not None)]
     for key, t in dups:
         base = _base_key(store.infos, key)
         first = store.tensors.get(base)
@@ -262,8 +262,7 @@ def _view_parent(t: torch.Tensor) -> Any:
 
 def _base_key(infos: dict[str, SavedInfo], key: str) -> str:
     """The key whose storage a duplicate save (:class:`~.storage.SavedTensorStore`) shares."""
-    reason = infos[key].lossy or ""
-    return reason[len("duplicate of "):] if reason.startswith("duplicate of ") else key
+    return duplicate_of(infos[key].lossy) or key
 
 
 def _keep_memories_whole(infos: dict[str, SavedInfo]) -> None:

@@ -36,7 +36,7 @@ from ..compress.quantize import GROUP_SIZE, Quantized, dequantize, quantize
 from ..measure import tensor_nbytes
 from ..ops.attention import attention_logsumexp
 from ..ops.functional import separate_masks
-from ..planner.compression import SavedInfo, region_of
+from ..planner.compression import DUPLICATE, SavedInfo, region_of
 
 __all__ = ["SavedTensorStore", "lossy_reason", "MIN_NUMEL"]
 
@@ -269,10 +269,11 @@ class SavedTensorStore:
         if earlier is not None or view is not None:  # the same tensor, or a view (a transpose) of one: stored once
             if self.record:
                 base = hit[2] if earlier is not None else view.view_of[0].key  # type: ignore[union-attr,index]
-                self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"duplicate of {base}")
+                self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"{DUPLICATE}{base}")
                 self.duplicates[key] = t
             same = earlier if earlier is not None else view
-            self._by_key[key] = weakref.ref(same)  # type: ignore[arg-type]
+            if self.lse_of:  # what a log-sum-exp is recomputed from is found by key
+                self._by_key[key] = weakref.ref(same)  # type: ignore[arg-type]
             return same  # type: ignore[return-value]
         # the data only: autograd re-attaches the saved tensor's grad_fn on unpack, and a packed object holding
         # ``t`` itself closes a cycle through C++ (node -> saved -> t -> node) that Python's collector cannot see:
@@ -304,7 +305,8 @@ class SavedTensorStore:
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
         self._seen[ident] = (weakref.ref(anchor), weakref.ref(packed), key)
-        self._by_key[key] = weakref.ref(packed)
+        if self.lse_of:
+            self._by_key[key] = weakref.ref(packed)
         where = (_ptr(t), t.dtype, t.device)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
             self._bases.setdefault(where, []).append(
@@ -345,7 +347,7 @@ class SavedTensorStore:
             packed.view_of = (base, shape, stride, lo - offset)
             if self.record and packed.key in self.infos:
                 old = self.infos[packed.key]
-                self.infos[packed.key] = dataclasses.replace(old, nbytes=0, lossy=f"duplicate of {base_key}")
+                self.infos[packed.key] = dataclasses.replace(old, nbytes=0, lossy=f"{DUPLICATE}{base_key}")
         self._loose[where] = kept
 
     def _view_of_packed(self, t: torch.Tensor) -> _Packed | None:
