@@ -169,6 +169,8 @@ def test_what_a_backward_reads_nonlinearly_is_stored_as_it_is_read(model_id: str
         specs = list(plan.lse_of.values())
         assert len(specs) == len(model.blocks)
         assert {plan.bits[s[t]] for s in specs for t in ("query", "key")} == {4}
+    again = zoomem.Plan.from_json(plan.to_json())  # a saved plan stores its tensors as this one does
+    assert (again.groups, again.lse_of) == (plan.groups, plan.lse_of)
 
 
 def test_fused_attentions_query_key_and_narrow_norms_input_without_sensitivities() -> None:
@@ -261,6 +263,27 @@ def test_a_rounded_query_and_key_come_back_with_their_own_log_sum_exp(kv_heads: 
         gv = x.grad.unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)[2, :, :kv_heads] / 3  # through x * 3
         off[name] = float((gv.sum(-2) - expected).abs().max() / expected.abs().max())
     assert off["recomputed"] < 1e-4 and off["as saved"] > 0.1, off
+
+
+def test_a_plan_whose_attention_the_forward_no_longer_saves_says_so() -> None:
+    """A plan that recomputes a log-sum-exp from a query the forward did not save first (the model changed under it)
+    raises, naming what is missing, instead of training on the saved log-sum-exp of unrounded scores."""
+    from zoomem.runtime.probe import probe_saved
+    from zoomem.runtime.storage import SavedTensorStore
+
+    class Attend(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = (x * 3).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v)
+
+    model, x = Attend(), torch.randn(2, 48, 3 * 4 * 32, requires_grad=True)
+    infos, _ = probe_saved(model, zoomem.Batch(args=(x,)), lambda out, b: out.sum(), [], sensitivity=False)
+    (lse,) = [i for i in infos if i.lse_of]
+    spec = dict(lse.lse_of, query="<stem>#99")
+    store = SavedTensorStore(bits={lse.lse_of["key"]: 2}, lse_of={lse.key: spec})
+    with pytest.raises(RuntimeError, match=r"<stem>#99, which this forward did not save before it.*Re-plan"):
+        with store.hooks(model, (x,)):
+            model(x)
 
 
 def test_views_of_saved_tensors_unpack_to_their_own_values() -> None:
