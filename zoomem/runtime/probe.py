@@ -124,8 +124,10 @@ _EXACT_UNLESS: dict[str, Callable[[Any], bool]] = {
 
 
 def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
-    """Mark the saved tensors that an :data:`EXACT_READS` backward reads as never lossy (returns how many), and
-    number the nodes that hold saved tensors (:attr:`SavedInfo.node`)."""
+    """Store each saved tensor as its backward reads it: never lossy where an :data:`EXACT_READS` backward reads it
+    (returns how many), in groups that follow rows where a :data:`ROW_READS` one does, and a fused attention's
+    log-sum-exp recomputed from its stored query and key (:data:`LSE_READS`); and number the nodes that hold saved
+    tensors (:attr:`SavedInfo.node`). A tensor read through a duplicate save counts as its base."""
     def ident(t: torch.Tensor) -> tuple:  # type: ignore[type-arg]  (unpacking makes new objects: match storage)
         return (t.data_ptr(), tuple(t.shape), t.stride()) if t.layout == torch.strided else (id(t),)
 
