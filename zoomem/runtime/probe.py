@@ -225,41 +225,21 @@ def _recompute_lse(infos: dict[str, SavedInfo], keys: list[str | None], has_mask
 
 
 def _aliases(store: SavedTensorStore) -> dict[str, list[torch.Tensor]]:
-    """Lossy-eligible key -> the other objects saved as its tensor that are sibling views of it: its elements in its
-    order (the same layout, or a contiguous reshape of the same memory), made by a view of the same tensor for
-    another op (the 2-D views of one input that query, key and value projections each make; HF's LM-head loss's
-    alias of the hidden states the head's 2-D view holds). Each has its own autograd node, so rounding the stored
-    tensor moves their uses too and its sensitivity sums their gradients
-    (:func:`~zoomem.compress.estimate_sensitivity`). The tensor itself saved beside a view of it is no sibling: its
-    node is upstream of all its uses in the forward, so what reaches it there would count other tensors' terms."""
+    """Lossy-eligible key -> the other objects saved as views of its stored memory, each with its own autograd node:
+    the 2-D views of one input that query, key and value projections each make, HF's LM-head loss's alias of the
+    hidden states the head's 2-D view holds, a tensor saved beside a view of it (a transpose, a reshape). Rounding
+    the stored tensor moves their uses too, so its sensitivity sums their gradients element by element
+    (:func:`~zoomem.compress.estimate_sensitivity`, which stops what reaches any forward node, so none of them counts
+    through another)."""
     out: dict[str, list[torch.Tensor]] = {}
     dups = [*store.duplicates.items(), *((k, t) for k, t in store.tensors.items()
                                         if duplicate_of(store.infos[k].lossy) is not None)]
     for key, t in dups:
         base = _base_key(store.infos, key)
         first = store.tensors.get(base)
-        if first is None or t is first or store.infos[base].lossy is not None or t.layout != torch.strided:
-            continue
-        same = t.shape == first.shape and t.stride() == first.stride()
-        reshaped = t.numel() == first.numel() and t.is_contiguous() and first.is_contiguous()
-        parent = _view_parent(t)
-        if (same or reshaped) and t.storage_offset() == first.storage_offset() and parent is not None \
-                and parent is _view_parent(first):
+        if first is not None and t is not first and store.infos[base].lossy is None:
             out.setdefault(base, []).append(t)
     return out
-
-
-_VIEWS = frozenset({"ViewBackward0", "AliasBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-                    "SliceBackward0"})
-
-
-def _view_parent(t: torch.Tensor) -> Any:
-    """The first autograd node above ``t``'s that is no view (``view``/``reshape``/``alias``/slicing): what ``t`` is
-    a view of; ``None`` where ``t`` is no view."""
-    node, parent = t.grad_fn, None
-    while node is not None and type(node).__name__ in _VIEWS and len(node.next_functions) >= 1:
-        node = parent = node.next_functions[0][0]
-    return parent
 
 
 def _base_key(infos: dict[str, SavedInfo], key: str) -> str:
