@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from .packbits import bool_planes, pack_bool, unpack_bool
+from .routing import RoutingMode
 
 __all__ = [
     "relu",
@@ -777,6 +778,62 @@ def layer_norm(
         else:  # an autocast policy we have not checked: keep the stock op
             return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)[0]
+
+
+class _LayerNormAtSavedStatistics(torch.autograd.Function):
+    """The stock layer norm (aten's kernels; saving ``[bias,] input, [weight,] mean, rstd`` in the stock node's
+    order, so the saved-tensor store names them alike) whose double backward holds the saved per-row mean and 1/std
+    fixed. aten's own double backward differentiates them as functions of the input, but a backward that reads a
+    rounded stored input uses them as saved: on DistilBERT its layer-norm inputs' sensitivities read 2-5x what
+    rounding them moves (``scripts/coverage.py``)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape, ctx.has_weight, ctx.has_bias = list(normalized_shape), weight is not None, \
+            bias is not None
+        ctx.save_for_backward(*(t for t in (bias, x, weight) if t is not None), mean, rstd)
+        ctx.norm_rows = ((int(bias is not None), math.prod(normalized_shape)),)  # zoomem.runtime.probe
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None, None
+        saved = list(ctx.saved_tensors)
+        bias = saved.pop(0) if ctx.has_bias else None
+        x = saved.pop(0)
+        weight = saved.pop(0) if ctx.has_weight else None
+        mean, rstd = saved
+        ns = ctx.normalized_shape
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        with torch.no_grad():
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, ns, mean, rstd, weight, bias, mask)
+        if torch.is_grad_enabled():  # create_graph: the kernel's values with the history of the same formula
+            work = _work_dtype(x)
+            xhat = (x.to(work) - mean.to(work)) * rstd.to(work)
+            wf = weight.to(work) if weight is not None else None
+            ex, ew, eb = _ln_explicit(grad.to(work), xhat, wf, rstd.to(work), len(ns))
+            gx, gw, gb = _kernel_value(gx, ex), _kernel_value(gw, ew), _kernel_value(gb, eb)
+        return gx, None, gw, gb, None
+
+
+class norms_at_saved_statistics(RoutingMode):
+    """Inside the block, ``F.layer_norm`` calls that need a gradient run :class:`_LayerNormAtSavedStatistics`: the
+    stock values, saved tensors and first-order gradients, and a double backward that differentiates the saved
+    input alone, as the sensitivity probe (:mod:`zoomem.runtime.probe`) needs. Under autocast they run as they are.
+    """
+
+    target = staticmethod(F.layer_norm)
+
+    def route(self, input: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
+              eps: float = 1e-5) -> Any:
+        tensors = [t for t in (input, weight, bias) if t is not None]
+        if not all(isinstance(t, torch.Tensor) for t in tensors) or not torch.is_grad_enabled() \
+                or not any(t.requires_grad for t in tensors) or torch.is_autocast_enabled(input.device.type):
+            return None
+        return _LayerNormAtSavedStatistics.apply(input, tuple(normalized_shape), weight, bias, eps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
