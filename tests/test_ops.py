@@ -75,6 +75,9 @@ def timm_bn_act(act: str) -> nn.Module:
         return BatchNormAct2d(8, act_layer=nn.ReLU)
     if act == "leaky":
         return BatchNormAct2d(8, act_layer=nn.LeakyReLU, act_kwargs={"negative_slope": 0.1})
+    if act in ("silu", "hardswish", "relu6", "gelu"):  # as timm's EfficientNet, MobileNetV3, MobileNetV2 build them
+        layer = {"silu": nn.SiLU, "hardswish": nn.Hardswish, "relu6": nn.ReLU6, "gelu": nn.GELU}[act]
+        return BatchNormAct2d(8, act_layer=layer, act_kwargs={} if act == "gelu" else {"inplace": True})
     return BatchNormAct2d(8, apply_act=False)
 
 
@@ -120,6 +123,12 @@ CASES = [
          lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_leaky"),
     Case("batchnorm_act_output", lambda: timm_bn_act("identity"), (4, 8, 16, 16), 0.5, 1e-5,
          lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_identity"),
+    # stock: the input, the in-place activation's copy of its input, the output; here the output of the norm
+    # (saved by it and by the activation) and the activation's output
+    *(Case("batchnorm_act_output", (lambda a=act: timm_bn_act(a)), (4, 8, 16, 16), 2 / 3, 1e-5,
+           lambda: nn.Conv2d(8, 4, 3, padding=1), id=f"timm_bnact_{act}") for act in ("silu", "hardswish", "relu6")),
+    Case("batchnorm_act_output", lambda: timm_bn_act("gelu"), (4, 8, 16, 16), 2 / 3, 1e-5,
+         lambda: nn.Conv2d(8, 4, 3, padding=1), id="timm_bnact_gelu"),
     Case("layernorm_output", lambda: nn.LayerNorm(64), (4, 16, 64), 0.5, 1e-5, lambda: nn.Linear(64, 8), id="ln"),
     Case("rmsnorm_output", lambda: llama_rmsnorm(64), (4, 16, 64), 1 / 3, 1e-5, lambda: nn.Linear(64, 8),
          id="llama_rms"),

@@ -322,18 +322,20 @@ def _no_hooks(m: nn.Module) -> bool:
     return not (m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None))
 
 
-def _bn_act_kind(m: nn.Module) -> tuple[str, float] | None:
-    """The fused activation of a timm BatchNormAct2d as ("identity"|"relu"|"leaky_relu", slope), or None."""
+def _bn_act_kind(m: nn.Module) -> tuple[str, float, nn.Module | None] | None:
+    """The activation of a timm BatchNormAct2d as ("identity"|"relu"|"leaky_relu", slope, after): ReLU and
+    LeakyReLU fuse into the op; any other activation module (SiLU, Hardswish, ReLU6, GELU, ...) is ``after``, run on
+    the identity op's output; None where a drop or hooks are there."""
     act, drop = getattr(m, "act", None), getattr(m, "drop", None)
     if type(drop) is not nn.Identity or not _no_hooks(drop) or act is None or not _no_hooks(act):
         return None
     if type(act) is nn.Identity:
-        return ("identity", 0.0)
+        return ("identity", 0.0, None)
     if type(act) is nn.ReLU:
-        return ("relu", 0.0)
+        return ("relu", 0.0, None)
     if type(act) is nn.LeakyReLU and act.negative_slope > 0:
-        return ("leaky_relu", float(act.negative_slope))
-    return None
+        return ("leaky_relu", float(act.negative_slope), None)
+    return ("identity", 0.0, act)
 
 
 def _timm_bn_act_applies(m: nn.Module) -> bool:
@@ -346,7 +348,20 @@ def _timm_bn_act_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected 4D input (got {x.ndim}D input)")
     kind = _bn_act_kind(m)
     assert kind is not None  # checked by applies()
-    return _bn_common(m, x, *kind)
+    act, slope, after = kind
+    y = _bn_common(m, x, act, slope)
+    if after is None:
+        return y
+    # the identity op saves its output (or xhat): an activation asked to run in place (timm's default) runs out of
+    # place here, as stock autograd's in-place SiLU/Hardswish copies its input for backward anyway
+    inplace = getattr(after, "inplace", False) is True
+    if inplace:
+        after.inplace = False
+    try:
+        return after(y)
+    finally:
+        if inplace:
+            after.inplace = True
 
 
 def _ln_forward(m: nn.LayerNorm, input: torch.Tensor) -> torch.Tensor:
@@ -491,9 +506,10 @@ def _register_builtin() -> None:
              "anyway). Running stats exact; gradients ~1e-6 relative in fp32. Falls back to saving the input when "
              "some gamma == 0. Its output must not be modified in place later (see find_inplace_writers)."),
         Impl("batchnorm_act_output", (nn.BatchNorm2d,), _timm_bn_act_forward, _timm_bn_act_applies,
-             "timm BatchNormAct2d (act ReLU / LeakyReLU(slope>0) / Identity, no drop): identity and leaky save the "
-             "activated output (shared with the next layer); ReLU saves the pre-activation output instead of the "
-             "input. Gradients ~1e-6 relative in fp32."),
+             "timm BatchNormAct2d (no drop): identity and leaky save the activated output (shared with the next "
+             "layer); ReLU saves the pre-activation output instead of the input; other activations (SiLU, "
+             "Hardswish, ReLU6, ...) run after the identity op, out of place, and save its output as their input. "
+             "Gradients ~1e-6 relative in fp32."),
         Impl("layernorm_output", (nn.LayerNorm,), _ln_forward, _own_forward(nn.LayerNorm),
              "LayerNorm saving its output + 1/std per row instead of its input + mean. Gradients ~1e-6 relative in "
              "fp32."),
