@@ -1054,3 +1054,61 @@ def test_differentiable_attention_gradgradcheck(mask: bool, causal: bool, kv_hea
 
     assert torch.autograd.gradcheck(f, (q, k, v))
     assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+# The sensitivity probe's stand-ins for ops whose backward a second backward cannot go through, or goes through
+# otherwise than a backward from stored tensors runs
+def test_differentiable_hardsigmoid_is_the_stock_op() -> None:
+    """MobileNetV3's and GhostNet's squeeze-excite gates: aten's hardsigmoid_backward has no derivative, so their
+    sensitivities fell back to value ranges (MobileNetV3 at `L2`: 75x its predicted gradient error)."""
+    import torch.nn.functional as F
+
+    from zoomem.ops.functional import _Hardsigmoid, differentiable_hardsigmoid
+
+    x = (torch.arange(-40, 40, dtype=torch.float64) / 10).requires_grad_()  # both kinks and the flat parts
+    g = torch.randn_like(x)
+    ref = F.hardsigmoid(x)
+    with differentiable_hardsigmoid():
+        out = F.hardsigmoid(x)
+        stock = F.hardsigmoid(x.detach().clone(), inplace=True)  # in place: left to aten
+    assert out.grad_fn.name() == "_HardsigmoidBackward" and stock.grad_fn is None
+    assert torch.equal(out, ref)
+    assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
+    y = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(_Hardsigmoid.apply, (y,))
+
+
+def test_layer_norm_at_saved_statistics_is_the_stock_op() -> None:
+    """The stock values, saved tensors (in the stock node's order) and first-order gradients; the double backward
+    holds the saved mean and 1/std fixed (``zoomem.compress.sensitivity``)."""
+    import torch.nn.functional as F
+
+    from zoomem.ops.functional import norms_at_saved_statistics
+
+    torch.manual_seed(0)
+    x = (torch.randn(3, 5, 16) * 2 + 1).requires_grad_()
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    for weight, bias in ((w, b), (w, None), (None, None)):
+        saves: list[list[tuple[int, ...]]] = [[], []]
+        runs = []
+        for i, mode in enumerate((contextlib.nullcontext, norms_at_saved_statistics)):
+            def pack(t: torch.Tensor, i: int = i) -> torch.Tensor:
+                saves[i].append(tuple(t.shape))
+                return t
+
+            with mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = F.layer_norm(x, (16,), weight, bias)
+            runs.append(out)
+        assert saves[0] == saves[1] and runs[1].grad_fn.name() == "_LayerNormAtSavedStatisticsBackward"
+        assert torch.equal(runs[0], runs[1])
+        inputs = [t for t in (x, weight, bias) if t is not None]
+        g = torch.randn_like(out)
+        assert all(torch.equal(a, c) for a, c in zip(torch.autograd.grad(runs[0], inputs, g),
+                                                     torch.autograd.grad(runs[1], inputs, g)))
+    with norms_at_saved_statistics():  # d(gamma's gradient)/dx at fixed statistics: g * rstd, elementwise
+        out = F.layer_norm(x, (16,), w, b)
+    gw = torch.autograd.grad(out, w, g, create_graph=True)[0]
+    v = torch.randn(16)
+    (jv,) = torch.autograd.grad(gw, x, v)
+    rstd = (x.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    assert torch.allclose(jv, g * rstd * v, rtol=1e-4, atol=1e-6)

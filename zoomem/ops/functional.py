@@ -836,6 +836,41 @@ class norms_at_saved_statistics(RoutingMode):
         return _LayerNormAtSavedStatistics.apply(input, tuple(normalized_shape), weight, bias, eps)
 
 
+class _Hardsigmoid(torch.autograd.Function):
+    """``F.hardsigmoid`` saving its input as the stock node does, with a backward a second backward can go through
+    (aten's ``hardsigmoid_backward`` has no derivative): ``grad / 6`` where ``-3 < x < 3``."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.exact_reads = (0,)  # read through a comparison, as the stock node's (zoomem.runtime.probe)
+        return torch.ops.aten.hardsigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        with torch.no_grad():
+            inside = (x > -3) & (x < 3)
+        return torch.where(inside, grad * _ONE_SIXTH, 0.0)
+
+
+_ONE_SIXTH = 0.1666666716337204
+"""1/6 rounded to fp32, the factor aten's hardsigmoid_backward multiplies by in every dtype (fp64 too)."""
+
+
+class differentiable_hardsigmoid(RoutingMode):
+    """Inside the block, out-of-place ``F.hardsigmoid`` calls that need a gradient (MobileNetV3's and GhostNet's
+    squeeze-excite gates) run :class:`_Hardsigmoid`: the same values, saved tensor and gradients, twice
+    differentiable, so the sensitivity probe can measure such models instead of falling back to value ranges."""
+
+    target = staticmethod(F.hardsigmoid)
+
+    def route(self, input: Any, inplace: bool = False) -> Any:
+        if inplace or not isinstance(input, torch.Tensor) or not input.requires_grad or not torch.is_grad_enabled():
+            return None
+        return _Hardsigmoid.apply(input)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # RMS norm (HF Llama form), output-activated
 

@@ -24,7 +24,7 @@ from ..batch import Batch
 from ..compress.quantize import GROUP_SIZE, row_group
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
-from ..ops.functional import norms_at_saved_statistics, separate_masks
+from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
@@ -418,12 +418,14 @@ def probe_saved(
     store = SavedTensorStore(record=True, generator=generator, held=held)
     grad_sq = 0.0
     with _no_trace(model), torch.enable_grad():
-        # the CPU flash-attention kernel has no double backward, and aten's layer norm's moves its saved statistics
-        # with its input: the same kernels and saved tensors, differentiated as a backward from stored tensors runs
+        # the CPU flash-attention kernel and hardsigmoid have no double backward, and aten's layer norm's moves its
+        # saved statistics with its input: the same kernels and saved tensors, differentiated as a backward from
+        # stored tensors runs
         routed = contextlib.ExitStack()
         if sensitivity:
             routed.enter_context(differentiable_attention())
             routed.enter_context(norms_at_saved_statistics())
+            routed.enter_context(differentiable_hardsigmoid())
         with store.hooks(model, batch.args, batch.kwargs), _regions(store, units), routed:
             out = batch.call(model)
         loss = loss_fn(out, batch)
