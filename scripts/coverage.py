@@ -15,6 +15,7 @@ from its config (random weights, no download) with a generated batch, this scrip
     python scripts/coverage.py --markdown                     # every model (about 3.5 minutes on 2 CPU cores)
     python scripts/coverage.py --models timm:hrnet_w18_small hf:mistral pyg:pna
     python scripts/coverage.py --models timm:vit_tiny_patch16_224 --image-size 224 --levels L1.2 L2.2
+    python scripts/coverage.py --models hf:distilbert --per-tensor 8 --markdown   # each tensor vs brute force
 
 A model that fails to build or trace is reported with its error, not skipped silently.
 """
@@ -214,6 +215,68 @@ def check(spec: str, levels: tuple[str, ...] = ("L2",), image_size: int = 64) ->
     return row
 
 
+def per_tensor(spec: str, bits: int, image_size: int = 64, samples: int = 8, trials: int = 4,
+               aten_norms: bool = False, stock: bool = False) -> list[dict[str, Any]]:
+    """Each lossy-eligible saved tensor of ``spec`` (every compact form installed, as the levels run them; none with
+    ``stock``): its
+    predicted gradient variance in ``bits`` (``samples`` Hutchinson probes) against brute force (``trials``
+    roundings of that tensor alone; :func:`zoomem.compress.empirical_variance`). ``aten_norms``: layer norms
+    differentiated by aten's double backward, as before ``norms_at_saved_statistics``."""
+    import contextlib
+
+    from zoomem.compress import empirical_variance
+    from zoomem.ops.functional import separate_masks
+    from zoomem.ops.impls import impls_for, install_impl
+    from zoomem.runtime import probe
+    from zoomem.runtime.storage import SavedTensorStore
+
+    model, adapter, batch = build(spec, image_size)
+    model.train()
+    undo = [] if stock else [install_impl(m, impls_for(m)[0]) for m in model.modules() if impls_for(m)]
+    units = adapter.units(model)
+    loss_fn: Callable[[Any, Batch], torch.Tensor] = lambda out, b: adapter.loss(model, b, out)  # noqa: E731
+    norms = probe.norms_at_saved_statistics
+    try:
+        if aten_norms:
+            probe.norms_at_saved_statistics = contextlib.nullcontext  # type: ignore[assignment]
+        infos, _ = probe.probe_saved(model, batch, loss_fn, units, samples=samples,
+                                     generator=torch.Generator().manual_seed(0))
+        probe.norms_at_saved_statistics = norms
+        store = SavedTensorStore(record=True, groups={i.key: i.group for i in infos},
+                                 generator=torch.Generator().manual_seed(1))
+        with torch.random.fork_rng(), store.hooks(), probe._regions(store, units), separate_masks():
+            out = batch.call(model)  # the probe's dropout masks: it restored the RNG state it forked
+        loss = loss_fn(out, batch)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
+            store.perturb = dict(perturb)
+            gs = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)]
+
+        return [{"model": spec, "key": i.key, "shape": list(i.shape), "group": i.group, "bits": bits,
+                 "predicted": i.variance(bits), "measured": empirical_variance(grads_with, i.key, bits, trials)}
+                for i in infos if i.lossy is None and i.sensitivity > 0]
+    finally:
+        probe.norms_at_saved_statistics = norms
+        for u in undo:
+            u()
+
+
+def _per_tensor_markdown(rows: list[dict[str, Any]], top: int = 8) -> str:
+    """Per model: the ``top`` tensors by measured variance, then the sum over all."""
+    lines = ["| model | saved tensor | shape (group) | predicted | measured | measured / predicted |",
+             "|---|---|---|---:|---:|---:|"]
+    for spec in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == spec]
+        for r in sorted(mine, key=lambda r: -r["measured"])[:top]:
+            lines.append(f"| {spec} | {r['key']} | {tuple(r['shape'])} ({r['group']}) | {r['predicted']:.2e} | "
+                         f"{r['measured']:.2e} | {r['measured'] / r['predicted']:.2f} |")
+        p, m = sum(r["predicted"] for r in mine), sum(r["measured"] for r in mine)
+        lines.append(f"| {spec} | all {len(mine)} |  | {p:.2e} | {m:.2e} | {m / p:.2f} |")
+    return "\n".join(lines)
+
+
 def _ok(row: dict[str, Any], levels: tuple[str, ...]) -> bool:
     return "error" not in row and row["lossless_ok"] and all(row[f"{lv.lower()}_ok"] for lv in levels)
 
@@ -245,9 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     parser.add_argument("--levels", nargs="+", default=["L2"], help="compression levels to check (default L2)")
     parser.add_argument("--image-size", type=int, default=64, help="timm models' image size (default 64)")
+    parser.add_argument("--per-tensor", type=int, metavar="BITS", choices=(1, 2, 4, 8),
+                        help="instead: each saved tensor's predicted gradient variance in BITS against brute force")
+    parser.add_argument("--aten-norms", action="store_true",
+                        help="with --per-tensor: layer norms differentiated by aten's double backward")
+    parser.add_argument("--stock-forms", action="store_true", help="with --per-tensor: no compact forms installed")
     args = parser.parse_args(argv)
     levels = tuple(args.levels)
     torch.set_num_threads(1)
+    if args.per_tensor:
+        rows = [r for spec in args.models or all_specs()
+                for r in per_tensor(spec, args.per_tensor, args.image_size, aten_norms=args.aten_norms,
+                                    stock=args.stock_forms)]
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(_per_tensor_markdown(rows) if args.markdown else "\n".join(json.dumps(r) for r in rows))
+        return 0
     rows = []
     for spec in args.models or all_specs():
         try:
