@@ -266,6 +266,10 @@ def main() -> None:
         resume(out, args.out / "ckpt")
     rank = int(os.environ.get("RANK", "0"))
     (args.out / f"{args.mode}-rank{rank}.json").write_text(json.dumps(out))
+    # every rank leaves the gloo group together, as zoomem.recipes.finish does: a group still alive at interpreter
+    # exit can abort a rank ("terminate called without an active exception") after its checks passed
+    acc.wait_for_everyone()
+    acc.end_training()
     print(f"zoomem launch check {args.mode}: rank {rank} done", file=sys.stderr)
 
 
