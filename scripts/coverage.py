@@ -231,7 +231,7 @@ def per_tensor(spec: str, bits: int, image_size: int = 64, samples: int = 8, tri
     differentiated by aten's double backward, as before ``norms_at_saved_statistics``."""
     import contextlib
 
-    from zoomem.compress import empirical_variance
+    from zoomem.compress import empirical_variance, perturbed_grads
     from zoomem.ops.functional import separate_masks
     from zoomem.ops.impls import impls_for, install_impl
     from zoomem.runtime import probe
@@ -256,10 +256,7 @@ def per_tensor(spec: str, bits: int, image_size: int = 64, samples: int = 8, tri
         loss = loss_fn(out, batch)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
-            store.perturb = dict(perturb)
-            gs = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)]
+        grads_with = perturbed_grads(store, loss, params)
 
         return [{"model": spec, "key": i.key, "shape": list(i.shape), "group": i.group, "bits": bits,
                  "predicted": i.variance(bits), "measured": empirical_variance(grads_with, i.key, bits, trials)}

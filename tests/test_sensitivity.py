@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from scipy.stats import spearmanr
 
-from zoomem.compress import empirical_variance
+from zoomem.compress import empirical_variance, perturbed_grads
 from zoomem.runtime.probe import _regions, probe_saved
 from zoomem.runtime.storage import SavedTensorStore
 from zoomem.zoo import small
@@ -42,10 +42,7 @@ def test_estimate_ranks_tensors_like_brute_force(model_id: str) -> None:
     loss = loss_fn(out, batch)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
-        store.perturb = dict(perturb)
-        gs = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)]
+    grads_with = perturbed_grads(store, loss, params)
 
     predicted = [i.variance(2) for i in eligible]
     measured = [empirical_variance(grads_with, i.key, 2, trials=4) for i in eligible]
@@ -87,9 +84,7 @@ def test_a_tensor_saved_through_several_views_counts_every_use(monkeypatch: pyte
         loss = loss_fn(out, None)
         params = list(model.parameters())
 
-        def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
-            store.perturb = dict(perturb)
-            return list(torch.autograd.grad(loss, params, retain_graph=True))
+        grads_with = perturbed_grads(store, loss, params)
 
         ratios[name] = h.variance(2) / empirical_variance(grads_with, h.key, 2, trials=8)
     # 4.1x while the squared loss's curvature reached the views through the forward (until each forward node stopped
@@ -133,9 +128,7 @@ def test_a_tensor_saved_beside_a_view_of_it_counts_both(first: str, monkeypatch:
         loss = loss_fn(out, None)
         params = list(model.parameters())
 
-        def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
-            store.perturb = dict(perturb)
-            return list(torch.autograd.grad(loss, params, retain_graph=True))
+        grads_with = perturbed_grads(store, loss, params)
 
         ratios[name] = h.variance(2) / empirical_variance(grads_with, h.key, 2, trials=8)
     assert 0.5 <= ratios["aliases"] <= 2 and ratios["none"] < 0.75, ratios
@@ -186,10 +179,7 @@ def test_a_layer_norms_input_is_measured_at_its_saved_statistics(monkeypatch: py
         loss = loss_fn(out, batch)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def grads_with(perturb: dict[str, int]) -> list[torch.Tensor]:
-            store.perturb = dict(perturb)
-            gs = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)]
+        grads_with = perturbed_grads(store, loss, params)
 
         ratios = [i.variance(8) / empirical_variance(grads_with, i.key, 8, trials=6) for i in norms]
         worst[name] = (min(ratios), max(ratios))

@@ -2,7 +2,7 @@
 
 from .quantize import (BITS, GROUP_SIZE, Quantized, dequantize, quantize, quantized_nbytes, seconds_per_byte,
                        seconds_per_call)
-from .sensitivity import Sensitivity, empirical_variance, estimate_sensitivity, predicted_variance
+from .sensitivity import Sensitivity, empirical_variance, estimate_sensitivity, perturbed_grads, predicted_variance
 
 __all__ = [
     "BITS",
@@ -12,6 +12,7 @@ __all__ = [
     "dequantize",
     "empirical_variance",
     "estimate_sensitivity",
+    "perturbed_grads",
     "predicted_variance",
     "quantize",
     "quantized_nbytes",

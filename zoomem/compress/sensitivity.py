@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from .quantize import GROUP_SIZE, _grouped
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sensitivity", "estimate_sensitivity", "empirical_variance", "predicted_variance"]
+__all__ = ["Sensitivity", "estimate_sensitivity", "empirical_variance", "perturbed_grads", "predicted_variance"]
 
 
 @dataclass
@@ -226,6 +226,20 @@ def _stop(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
 def predicted_variance(sensitivity: float, bits: int) -> float:
     """The gradient variance (sum over parameters) of storing a tensor with sensitivity C_s in ``bits``."""
     return sensitivity / ((1 << bits) - 1) ** 2
+
+
+def perturbed_grads(store: Any, loss: torch.Tensor, params: Sequence[torch.Tensor]
+                    ) -> Callable[[Mapping[str, int]], list[torch.Tensor]]:
+    """``grads_with`` for :func:`empirical_variance`: the parameter gradients of the step recorded under ``store``
+    (a ``SavedTensorStore`` with ``record=True``) whose ``loss`` is given, with the tensors in ``perturb`` rounded
+    (key -> bits) as the store unpacks them; a parameter the loss does not reach gets zeros."""
+
+    def grads_with(perturb: Mapping[str, int]) -> list[torch.Tensor]:
+        store.perturb = dict(perturb)
+        gs = torch.autograd.grad(loss, list(params), retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)]
+
+    return grads_with
 
 
 def empirical_variance(

@@ -785,7 +785,7 @@ class _LayerNormAtSavedStatistics(torch.autograd.Function):
     order, so the saved-tensor store names them alike) whose double backward holds the saved per-row mean and 1/std
     fixed. aten's own double backward differentiates them as functions of the input, but a backward that reads a
     rounded stored input uses them as saved: DistilBERT without compact forms, all 30 saved tensors at 8 bits,
-    predicts 0.15 of the brute-force variance with aten's double backward and 0.75 with this one
+    measure 0.15 of the predicted gradient variance by brute force with aten's double backward, 0.75 with this one
     (``python scripts/coverage.py --models hf:distilbert --per-tensor 8 --stock-forms [--aten-norms]``)."""
 
     @staticmethod
