@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -51,14 +52,33 @@ def test_estimate_ranks_tensors_like_brute_force(model_id: str) -> None:
     assert rho >= 0.8, f"rho={rho}\n{table}"
 
 
+def _alias_ratios(model: nn.Module, x: torch.Tensor, loss_fn: Any, pick: Any, summed: str, first: str,
+                  monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The picked exact tensor's predicted 2-bit variance over brute force, with the gradients reaching its every
+    saved view summed (``summed``) and with its first view's alone (``first``)."""
+    import zoomem
+    from zoomem.runtime import probe
+
+    ratios = {}
+    for name, aliases in ((summed, probe._aliases), (first, lambda store: {})):
+        monkeypatch.setattr(probe, "_aliases", aliases)
+        infos, _ = probe_saved(model, zoomem.Batch(args=(x,)), loss_fn, [], samples=8,
+                               generator=torch.Generator().manual_seed(0))
+        (h,) = [i for i in infos if i.lossy is None and pick(i)]
+        store = SavedTensorStore(record=True, generator=torch.Generator().manual_seed(1))
+        with store.hooks():
+            out = model(x)
+        grads_with = perturbed_grads(store, loss_fn(out, None), list(model.parameters()))
+        ratios[name] = h.variance(2) / empirical_variance(grads_with, h.key, 2, trials=8)
+    return ratios
+
+
 def test_a_tensor_saved_through_several_views_counts_every_use(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two linears on one 3-D input each save their own 2-D view of it (one autograd node each), stored once: its
     rounding moves both weight gradients, so its C_s sums the gradients reaching both views. Counting only the first
     (here the one scaled down) predicted a fraction of the brute-force variance: HF Gemma at `L2` stored such
     tensors (query, key and value projections' inputs; the LM head's 2-D input, also its loss's hidden states) in 2
     bits and measured 1,200 times its prediction (`scripts/coverage.py --models hf:gemma`)."""
-    import zoomem
-    from zoomem.runtime import probe
 
     class TwoHeads(nn.Module):
         def __init__(self) -> None:
@@ -72,21 +92,7 @@ def test_a_tensor_saved_through_several_views_counts_every_use(monkeypatch: pyte
     torch.manual_seed(0)
     model, x = TwoHeads(), torch.randn(4, 64, 64)
     loss_fn = lambda out, b: out.square().mean()  # noqa: E731
-    ratios = {}
-    for name, aliases in (("every view", probe._aliases), ("first view", lambda store: {})):
-        monkeypatch.setattr(probe, "_aliases", aliases)
-        infos, _ = probe_saved(model, zoomem.Batch(args=(x,)), loss_fn, [], samples=8,
-                               generator=torch.Generator().manual_seed(0))
-        (h,) = [i for i in infos if i.lossy is None and i.shape == (256, 64)]
-        store = SavedTensorStore(record=True, generator=torch.Generator().manual_seed(1))
-        with store.hooks():
-            out = model(x)
-        loss = loss_fn(out, None)
-        params = list(model.parameters())
-
-        grads_with = perturbed_grads(store, loss, params)
-
-        ratios[name] = h.variance(2) / empirical_variance(grads_with, h.key, 2, trials=8)
+    ratios = _alias_ratios(model, x, loss_fn, lambda i: i.shape == (256, 64), "every view", "first view", monkeypatch)
     # 4.1x while the squared loss's curvature reached the views through the forward (until each forward node stopped
     # what reached it: zoomem.compress.sensitivity); without the second view it was 3e-6
     assert 0.5 <= ratios["every view"] <= 2 and ratios["first view"] < 0.01, ratios
@@ -97,8 +103,6 @@ def test_a_tensor_saved_beside_a_view_of_it_counts_both(first: str, monkeypatch:
     """A tensor squared (its power saves it) and fed to a linear (which saves a 2-D view of it), in either order:
     stored once, its rounding moves both uses. The view's node is no producer of the tensor, so its gradient counts
     only as an alias (the estimate stops what reaches any forward node)."""
-    import zoomem
-    from zoomem.runtime import probe
 
     class Both(nn.Module):
         def __init__(self) -> None:
@@ -116,21 +120,7 @@ def test_a_tensor_saved_beside_a_view_of_it_counts_both(first: str, monkeypatch:
     torch.manual_seed(0)
     model, x = Both(), torch.randn(4, 64, 64)
     loss_fn = lambda out, b: out.sum()  # noqa: E731
-    ratios = {}
-    for name, aliases in (("aliases", probe._aliases), ("none", lambda store: {})):
-        monkeypatch.setattr(probe, "_aliases", aliases)
-        infos, _ = probe_saved(model, zoomem.Batch(args=(x,)), loss_fn, [], samples=8,
-                               generator=torch.Generator().manual_seed(0))
-        (h,) = [i for i in infos if i.lossy is None and i.nbytes == 4 * 64 * 64 * 4]
-        store = SavedTensorStore(record=True, generator=torch.Generator().manual_seed(1))
-        with store.hooks():
-            out = model(x)
-        loss = loss_fn(out, None)
-        params = list(model.parameters())
-
-        grads_with = perturbed_grads(store, loss, params)
-
-        ratios[name] = h.variance(2) / empirical_variance(grads_with, h.key, 2, trials=8)
+    ratios = _alias_ratios(model, x, loss_fn, lambda i: i.nbytes == 4 * 64 * 64 * 4, "aliases", "none", monkeypatch)
     assert 0.5 <= ratios["aliases"] <= 2 and ratios["none"] < 0.75, ratios
 
 
