@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..autograd_graph import autograd_nodes
 from .quantize import GROUP_SIZE, _grouped
 
 logger = logging.getLogger(__name__)
@@ -207,15 +208,7 @@ def _layout(t: torch.Tensor, obj: torch.Tensor) -> _Layout | None:
 
 def _forward_nodes(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
     """The autograd nodes of the forward that made ``loss`` (parameters' accumulators left out)."""
-    seen: dict[int, torch.autograd.graph.Node] = {}
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
-            continue
-        seen[id(node)] = node
-        stack.extend(n for n, _ in node.next_functions)
-    return list(seen.values())
+    return [n for n in autograd_nodes(loss.grad_fn) if type(n).__name__ != "AccumulateGrad"]
 
 
 def _stop(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd_graph import autograd_nodes
 from .functional import _kernel_value
 from .routing import RoutingMode
 
@@ -277,15 +278,11 @@ def _tied_embedding_node(hidden: torch.Tensor, weight: torch.Tensor) -> Any:
     """The backward node of a :func:`tied_embedding` of ``weight`` that ``hidden`` was computed from, or None."""
     if _EMBEDDED.get(id(weight)) is not weight:
         return None
-    seen, stack = set(), [hidden.grad_fn]
-    while stack and len(seen) < _WALK_LIMIT:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for number, node in enumerate(autograd_nodes(hidden.grad_fn)):
+        if number >= _WALK_LIMIT:
+            break
         if isinstance(node, _TiedEmbedding._backward_cls) and node.weight() is weight:
             return node
-        stack.extend(n for n, _ in node.next_functions)
     return None
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..adapters import Unit
+from ..autograd_graph import autograd_nodes
 from ..batch import Batch
 from ..compress.quantize import GROUP_SIZE, row_group
 from ..compress.sensitivity import estimate_sensitivity
@@ -135,16 +136,9 @@ def _mark_exact_reads(root: torch.Tensor, store: SavedTensorStore) -> int:
     for key, t in store.duplicates.items():
         own_id.setdefault(ident(t), key)
     by_id = {i: _base_key(store.infos, key) for i, key in own_id.items()}  # what is read through a duplicate save
-    seen: set[int] = set()
-    stack = [root.grad_fn]
     marked = 0
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(n for n, _ in node.next_functions)
-        _number_node(node, len(seen), own_id, store, ident)
+    for number, node in enumerate(autograd_nodes(root.grad_fn), 1):
+        _number_node(node, number, own_id, store, ident)
         name = type(node).__name__
         rows = [(node.saved_tensors[i], row) for i, row in getattr(node, "norm_rows", ())]
         if name in ROW_READS:
