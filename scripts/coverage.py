@@ -4,8 +4,9 @@ The tests cover the zoo matrix (``zoomem.zoo.ZOO_MATRIX``); users wrap far more.
 from its config (random weights, no download) with a generated batch, this script
 
 - finds the smallest feasible lossless budget (``InfeasibleBudgetError.min_budget`` of a 5% budget), wraps the model
-  at it (raised once to what the error names where the fresh trace's plans miss it: "(raised once)") and compares one step's loss and gradients with plain PyTorch's (the tests' tolerance: 1e-5 of each
-  gradient's norm plus 1e-6 of the largest; bitwise where nothing compact runs);
+  at it (raised once to what the error names where the fresh trace's plans miss it: "(raised once)") and compares
+  one step's loss and gradients with plain PyTorch's (the tests' tolerance: 1e-5 of each gradient's norm plus 1e-6
+  of the largest; bitwise where nothing compact runs);
 - wraps it at ``L2`` (adaptive bits, sensitivities not refreshed; ``--levels`` for others) and compares three
   steps' gradients with plain PyTorch's: the worst squared error, relative to the squared gradient norm, must be
   within 3x the plan's predicted relative variance (``plan.variance``) - a first-order estimate that a backward
@@ -225,10 +226,9 @@ def check(spec: str, levels: tuple[str, ...] = ("L2",), image_size: int = 64) ->
 def per_tensor(spec: str, bits: int, image_size: int = 64, samples: int = 8, trials: int = 4,
                aten_norms: bool = False, stock: bool = False) -> list[dict[str, Any]]:
     """Each lossy-eligible saved tensor of ``spec`` (every compact form installed, as the levels run them; none with
-    ``stock``): its
-    predicted gradient variance in ``bits`` (``samples`` Hutchinson probes) against brute force (``trials``
-    roundings of that tensor alone; :func:`zoomem.compress.empirical_variance`). ``aten_norms``: layer norms
-    differentiated by aten's double backward, as before ``norms_at_saved_statistics``."""
+    ``stock``): its predicted gradient variance in ``bits`` (``samples`` Hutchinson probes) against brute force
+    (``trials`` roundings of that tensor alone; :func:`zoomem.compress.empirical_variance`). ``aten_norms``: layer
+    norms differentiated by aten's double backward, as before ``norms_at_saved_statistics``."""
     import contextlib
 
     from zoomem.compress import empirical_variance, perturbed_grads
@@ -248,16 +248,12 @@ def per_tensor(spec: str, bits: int, image_size: int = 64, samples: int = 8, tri
             probe.norms_at_saved_statistics = contextlib.nullcontext  # type: ignore[assignment]
         infos, _ = probe.probe_saved(model, batch, loss_fn, units, samples=samples,
                                      generator=torch.Generator().manual_seed(0))
-        probe.norms_at_saved_statistics = norms
         store = SavedTensorStore(record=True, groups={i.key: i.group for i in infos},
                                  generator=torch.Generator().manual_seed(1))
         with torch.random.fork_rng(), store.hooks(), probe._regions(store, units), separate_masks():
             out = batch.call(model)  # the probe's dropout masks: it restored the RNG state it forked
         loss = loss_fn(out, batch)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        grads_with = perturbed_grads(store, loss, params)
-
+        grads_with = perturbed_grads(store, loss, [p for p in model.parameters() if p.requires_grad])
         return [{"model": spec, "key": i.key, "shape": list(i.shape), "group": i.group, "bits": bits,
                  "predicted": i.variance(bits), "measured": empirical_variance(grads_with, i.key, bits, trials)}
                 for i in infos if i.lossy is None and i.sensitivity > 0]
@@ -300,8 +296,9 @@ def _markdown(rows: list[dict[str, Any]], levels: tuple[str, ...]) -> str:
         cells = "".join(f" {r[k + '_lossy']} | {r[k + '_worst_error']:.1e} / {r[k + '_predicted_variance']:.1e} | "
                         f"{r[k + '_worst_parameter']} {r[k + '_worst_parameter_error']:.2f} |"
                         for k in (lv.lower() for lv in levels))
-        lines.append(f"| {r['model']} | {r['units']} ({r['recomputed']}) | {100 * r['min_share']:.0f}%"
-                     f"{' (raised once)' if r.get('min_budget_raised_bytes') else ''} | {exact} |" + cells + f" {'ok' if _ok(r, levels) else 'FAIL'} |")
+        raised = " (raised once)" if r.get("min_budget_raised_bytes") else ""
+        lines.append(f"| {r['model']} | {r['units']} ({r['recomputed']}) | {100 * r['min_share']:.0f}%{raised} | "
+                     f"{exact} |" + cells + f" {'ok' if _ok(r, levels) else 'FAIL'} |")
     return "\n".join(lines)
 
 

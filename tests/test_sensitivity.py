@@ -42,9 +42,7 @@ def test_estimate_ranks_tensors_like_brute_force(model_id: str) -> None:
     assert set(store.infos) == {i.key for i in infos}  # the same step names its tensors the same way
     loss = loss_fn(out, batch)
     params = [p for p in model.parameters() if p.requires_grad]
-
     grads_with = perturbed_grads(store, loss, params)
-
     predicted = [i.variance(2) for i in eligible]
     measured = [empirical_variance(grads_with, i.key, 2, trials=4) for i in eligible]
     rho = spearmanr(predicted, measured).statistic
@@ -168,9 +166,7 @@ def test_a_layer_norms_input_is_measured_at_its_saved_statistics(monkeypatch: py
             out = batch.call(model)
         loss = loss_fn(out, batch)
         params = [p for p in model.parameters() if p.requires_grad]
-
         grads_with = perturbed_grads(store, loss, params)
-
         ratios = [i.variance(8) / empirical_variance(grads_with, i.key, 8, trials=6) for i in norms]
         worst[name] = (min(ratios), max(ratios))
     assert 0.4 <= worst["saved"][0] and worst["saved"][1] <= 2.5 and worst["aten"][1] > 10, worst
