@@ -355,3 +355,16 @@ def test_coverage_script_checks_models_beyond_the_matrix(tmp_path):
     assert 0 < good["min_share"] < 1 and good["recomputed"] >= 1
     assert "No hf layout 'nope'" in rows["hf:nope"]["error"]
     assert "| pyg:gineconv | 2 (" in proc.stdout and "| ok |" in proc.stdout
+
+
+def test_min_budget_script_names_the_same_budget_on_every_trace():
+    """`scripts/min_budget.py` reads the smallest budget an error names on fresh traces and wraps at it: RoBERTa's
+    least-peak plan measures above its prediction, so the named budget is that measured peak, the same each time,
+    and every retry at it fits."""
+    cmd = [sys.executable, str(REPO / "scripts" / "min_budget.py"), "hf:roberta", "--repeat", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| hf:roberta")]
+    assert len(rows) == 2 and rows[0][2] == rows[1][2], proc.stdout
+    named = int(rows[0][2].split()[0])
+    assert all(int(r[4]) <= named for r in rows), proc.stdout
