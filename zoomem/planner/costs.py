@@ -46,6 +46,19 @@ class _Storage:
     input_of: set[int] = field(default_factory=set)  # unit segments that take it as input
     cheap_kept_by: set[int] = field(default_factory=set)  # unit segments that keep it under RECOMPUTE_CHEAP
     last_forward_use: int = 0
+    dies_between: bool = False
+    """Its last forward use is in the code after its segment's unit (timm's DenseNet block concatenating its
+    feature maps as it returns), or in the head, not in a unit."""
+    born: int = 0
+    """The first forward segment at which a plan can hold it (past ``last_forward_use`` for what a recomputed
+    unit's checkpoint makes as it starts: the generator's state)."""
+
+
+def _rng_state_nbytes() -> int:
+    """Bytes of the CPU generator's state, which ``torch.utils.checkpoint`` copies per checkpointed call."""
+    import torch
+
+    return int(torch.get_rng_state().nbytes)
 
 
 class CompactSaving(NamedTuple):
@@ -137,6 +150,8 @@ class CostModel:
     """(De)quantization runs in the fused Triton kernels (CUDA), which hold nothing beyond their results."""
     outside_gain: list[int] = field(default_factory=list)
     """Per memory point: bytes the compact forms outside the units take off (measured; empty: none to use)."""
+    after_peaks: frozenset[int] = frozenset()
+    """Unit segments whose forward peaks in the code after the unit (before the next one), not in the unit."""
     chain: dict[int, int] = field(default_factory=dict)
     """Unit segment -> index in ``storages`` of the input that ``RECOMPUTE_CHAIN`` may drop: the unit's one
     activation input made by the unit before it, needed by nothing else (no other unit takes it, nothing outside
@@ -189,16 +204,20 @@ class CostModel:
             return storages[sid]
 
         producer_seg: dict[int, int] = {}
+        between: dict[int, bool] = {}  # storage -> whether the last forward op that made or read it ran between units
         for op in graph.forward_ops:
             seg = fwd_seg[op.index]
             for t in op.outputs:
                 sid = graph.tensors[t].storage
-                producer_seg.setdefault(sid, seg)
+                if sid not in producer_seg:
+                    producer_seg[sid] = seg
+                    between[sid] = op.unit not in seg_of_unit
             for t in op.inputs:
                 sid = graph.tensors[t].storage
                 if sid in storages or is_activation(role.get(sid, "external")):
                     s = get(sid)
                     s.last_forward_use = max(s.last_forward_use, seg)
+                    between[sid] = op.unit not in seg_of_unit
             for t in op.saved:
                 sid = graph.tensors[t].storage
                 if sid not in saved:
@@ -221,6 +240,7 @@ class CostModel:
                     get(sid).input_of.add(seg_of_unit[u.name])
         for s in storages.values():
             s.last_forward_use = max(s.last_forward_use, producer_seg.get(s.sid, 0))
+            s.dies_between = 0 < s.last_forward_use and between.get(s.sid, False)
         chain: dict[int, int] = {}
         order = list(storages)
         for u in graph.units:
@@ -235,7 +255,20 @@ class CostModel:
                     and s.last_forward_use == seg):
                 chain[seg] = order.index(s.sid)
 
+        if graph.device.startswith("cpu"):
+            # the checkpoint keeps the CPU generator's state (``preserve_rng_state``) from a recomputed unit's
+            # forward to its backward: CPU memory beside the unit's inputs (5056 bytes a unit; on a device the
+            # state's CPU tensor is outside the device's budget). A storage per unit, held when it recomputes.
+            rng = _rng_state_nbytes()
+            for seg in range(1, head):
+                storages[-seg] = _Storage(-seg, rng, False, False, input_of={seg}, last_forward_use=seg - 1,
+                                          born=seg)
         points = _points(graph.timeline, head)
+        after_peaks = []
+        for seg in range(1, head):
+            f = [t for t in graph.timeline if t.seg == seg and t.phase == "forward"]
+            if len(f) > 1 and max(t.peak_bytes for t in f[1:]) > f[0].peak_bytes:
+                after_peaks.append(seg)
         transient: dict[int, int] = {}
         unit_time = {seg: 0.0 for seg in range(head + 1)}
         for seg in range(head + 1):
@@ -305,6 +338,7 @@ class CostModel:
             outside_gain=outside_gain,
             chain=chain,
             compact_saving_stored=stored,
+            after_peaks=frozenset(after_peaks),
         )
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float],
@@ -549,7 +583,14 @@ class CostModel:
             if s.pinned:
                 continue
             if point.phase == "forward":
-                alive = k > s.last_forward_use
+                # where the code after the unit (before the next one) holds the segment's forward peak, a storage
+                # last used in the unit is past its last use there: counted as at later points. One last used in
+                # that code too, or in the head, where plain PyTorch frees it (timm's DenseNet block concatenating
+                # its feature maps as it returns): held, it adds there; one plain PyTorch keeps is not counted there
+                # (the code's peak may come before that use, and a plan must not count a saving it does not make)
+                alive = k >= s.born and (k > s.last_forward_use or (
+                    k == s.last_forward_use and not (s.dies_between and s.base_held)
+                    and (k in self.after_peaks or s.dies_between and k == len(self.units) + 1)))
             else:
                 needed_by = s.savers | s.input_of | s.cheap_kept_by
                 alive = bool(needed_by) and k >= min(needed_by)
