@@ -519,6 +519,40 @@ def test_recomputing_a_unit_that_takes_a_list_holds_what_the_plan_predicts() -> 
     zoomem.unwrap(model)
 
 
+def test_the_program_switches_the_forms_outside_the_units() -> None:
+    """The compact forms outside every unit (PyG's activations between convs) are one switch for the whole plan. A
+    rule turned it on only where it lowered the peak both with every unit kept and with every unit recomputed: on
+    GraphSAGE with jumping-knowledge concatenation the all-recomputed peak rose 736 bytes with it, so the least-peak
+    plan went without it, 60 KB (5%) higher. The program chooses it now, and the smallest budget an error names has
+    it, predicted to the byte."""
+    import dataclasses
+
+    import torch_geometric as G
+
+    from zoomem import Batch
+    from zoomem.planner import min_feasible_budget
+    from zoomem.planner.costs import OUTSIDE_UNITS, CostModel
+
+    torch.manual_seed(0)
+    model = G.nn.models.GraphSAGE(16, 32, 3, 4, jk="cat")
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(args=(torch.randn(500, 16, generator=g), torch.randint(0, 500, (2, 4000), generator=g)),
+                  target=torch.randint(0, 4, (500,), generator=g))
+    adapter = zoomem.get_adapter(model)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        zoomem.wrap(model, 0.05, adapter=adapter, batch=batch)
+    zoomem.wrap(model, err.value.min_budget, adapter=adapter, batch=batch)
+    handle = model._zoomem
+    plan = next(iter(handle.plans.values()))
+    assert plan.outside_compact and plan.predicted_peak_bytes == plan.extras["measured_peak_bytes"], plan.summary()
+    costs = CostModel.from_graph(handle.last_graph)
+    least, (decisions, compact, _) = min_feasible_budget(costs)
+    without, _ = min_feasible_budget(dataclasses.replace(costs, outside_gain=[]))
+    assert OUTSIDE_UNITS in compact and least < without
+    assert least <= costs.peak(decisions, compact - {OUTSIDE_UNITS})
+    zoomem.unwrap(model)
+
+
 def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
     from zoomem.planner import CostModel
 

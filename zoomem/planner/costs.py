@@ -770,16 +770,6 @@ class CostModel:
         self.__dict__["_matrix_cache"] = cache
         return cache
 
-    def outside_helps(self) -> bool:
-        """Whether plans run the compact forms outside the units: they are exact, and used where they lower (or
-        keep) the peak both of keeping every unit and of recomputing every unit (a form's forward may need more
-        scratch than the stock op's at its own point)."""
-        if not self.outside_gain:
-            return False
-        on = frozenset({OUTSIDE_UNITS})
-        return all(self.peak(d, on) <= self.peak(d) for d in (
-            {u: Decision.KEEP for u in self.units}, {u: Decision.RECOMPUTE for u in self.units}))
-
     def recompute_time(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset()) -> float:
         total = sum(self.compact_s.get(u, 0.0) for u in compact)
         for name, d in decisions.items():

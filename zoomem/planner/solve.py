@@ -179,8 +179,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     tensors are stored lossily (they save what rounding perturbs little: attention keeps its softmax); its tensors
     may be lossy only in that mode, and it only with one lossy (``q <= x[u, keep, stored] <= sum of q``), so every
     lossless plan is a combined plan too. Tensors that are parts of one memory (:attr:`SavedInfo.shares`) are
-    lossy all or none. The compact forms outside the units are on in compression modes, and
-    elsewhere where they help (:meth:`CostModel.outside_helps`): a constant per point.
+    lossy all or none. The compact forms outside the units are on in compression modes, and elsewhere the
+    program's choice (one 0-1 switch for the plan, a measured gain per point, their time in the objective).
     """
     import pulp
 
@@ -314,10 +314,19 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 prob.addConstraint(v >= pulp.lpSum(drop[k] for k in range(seg, last + 1)) - (last - seg))
         return z[seg, last]
 
-    outside = bool(model.outside_gain) and (compress is not None or model.outside_helps())
+    # the compact forms outside the units: one plan-wide switch, a measured gain per point; on in compression
+    # modes (their trace measured with them on), else the program's choice (on and off: one-hot, as unit modes)
+    outside: bool | tuple[pulp.LpVariable, pulp.LpVariable] = bool(model.outside_gain) and compress is not None
+    if model.outside_gain and compress is None:
+        outside = (pulp.LpVariable("outside_on", 0, 1, cat=cat), pulp.LpVariable("outside_off", 0, 1, cat=cat))
+        prob += outside[0] + outside[1] == 1
+        if warm is not None:
+            outside[0].setInitialValue(int(OUTSIDE_UNITS in warm[1]))
+            outside[1].setInitialValue(int(OUTSIDE_UNITS not in warm[1]))
+    switch = outside[0] if isinstance(outside, tuple) else int(outside)
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for i, p in enumerate(model.points):
-        expr = p.measured - (model.outside_gain[i] if outside else 0) + pulp.lpSum(
+        expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
             k * ((chain_held(s, i) if s.sid in chain_of else h[s.sid]) - int(s.base_held))
             for s, k in model._coefficients(p))
         if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
@@ -358,6 +367,10 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     for (u, _, _), t in seconds.items():
         shift[u] = max(shift[u], -t)
     time_cost = pulp.lpSum(v * (seconds[k] + shift[k[0]]) for k, v in x.items()) - sum(shift.values())
+    if isinstance(outside, tuple):  # its time, a credit where faster, shifted as a unit's modes are
+        t = model.compact_s.get(OUTSIDE_UNITS, 0.0)
+        lift = max(0.0, -t)
+        time_cost += (t + lift) * outside[0] + lift * outside[1] - lift
     if q:
         assert compress is not None
         # seconds charged per unit of predicted gradient variance: one step per `variance_tolerance` of ||g||^2
@@ -373,7 +386,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
 
 def _decode(model: CostModel, xq: tuple) -> Choice:  # type: ignore[type-arg]
     x, q, outside = xq
-    out, compact = {}, {OUTSIDE_UNITS} if outside else set()
+    on = (outside[0].value() or 0.0) > 0.5 if isinstance(outside, tuple) else outside
+    out, compact = {}, {OUTSIDE_UNITS} if on else set()
     for u in model.units:
         _, d, on = max((k for k in x if k[0] == u), key=lambda k: x[k].value() or 0.0)
         out[u] = d
