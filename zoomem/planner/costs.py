@@ -255,11 +255,11 @@ class CostModel:
                     and s.last_forward_use == seg):
                 chain[seg] = order.index(s.sid)
 
-        if graph.device.startswith("cpu"):
+        rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
+        if rng:
             # the checkpoint keeps the CPU generator's state (``preserve_rng_state``) from a recomputed unit's
             # forward to its backward: CPU memory beside the unit's inputs (5056 bytes a unit; on a device the
             # state's CPU tensor is outside the device's budget). A storage per unit, held when it recomputes.
-            rng = _rng_state_nbytes()
             for seg in range(1, head):
                 storages[-seg] = _Storage(-seg, rng, False, False, input_of={seg}, last_forward_use=seg - 1,
                                           born=seg)
@@ -274,7 +274,9 @@ class CostModel:
         for seg in range(head + 1):
             f = [t for t in graph.timeline if t.seg == seg and t.phase == "forward"]
             if f:
-                transient[seg] = f[0].peak_bytes - f[0].start_bytes  # the unit's own forward, run again
+                # the unit's own forward, run again (on CPU beside a second generator state: recomputation forks
+                # the generator, saving its state, to run at the one saved in forward)
+                transient[seg] = f[0].peak_bytes - f[0].start_bytes + (rng if 0 < seg < head else 0)
                 unit_time[seg] = f[0].time_s
         # the compact forms outside the units: a measured offset per point; the units' own compact forms are then
         # measured against the step with those on (they are on in every plan that uses any)

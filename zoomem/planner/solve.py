@@ -386,8 +386,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
 
 def _decode(model: CostModel, xq: tuple) -> Choice:  # type: ignore[type-arg]
     x, q, outside = xq
-    on = (outside[0].value() or 0.0) > 0.5 if isinstance(outside, tuple) else outside
-    out, compact = {}, {OUTSIDE_UNITS} if on else set()
+    outside_on = (outside[0].value() or 0.0) > 0.5 if isinstance(outside, tuple) else outside
+    out, compact = {}, {OUTSIDE_UNITS} if outside_on else set()
     for u in model.units:
         _, d, on = max((k for k in x if k[0] == u), key=lambda k: x[k].value() or 0.0)
         out[u] = d
