@@ -45,6 +45,7 @@ class _Storage:
     savers: set[int] = field(default_factory=set)  # unit segments whose ops save it
     input_of: set[int] = field(default_factory=set)  # unit segments that take it as input
     cheap_kept_by: set[int] = field(default_factory=set)  # unit segments that keep it under RECOMPUTE_CHEAP
+    chained_by: set[int] = field(default_factory=set)  # unit segments that hold it under RECOMPUTE_CHAIN
     last_forward_use: int = 0
     dies_between: bool = False
     """Its last forward use is in the code after its segment's unit (timm's DenseNet block concatenating its
@@ -263,6 +264,11 @@ class CostModel:
             for seg in range(1, head):
                 storages[-seg] = _Storage(-seg, rng, False, False, input_of={seg}, last_forward_use=seg - 1,
                                           born=seg)
+            # and a unit whose input its successor drops (``RECOMPUTE_CHAIN``) registers how to run it again, its
+            # generator state with it, from the end of its forward to the successor's backward
+            for seg in chain:
+                storages[-head - seg] = _Storage(-head - seg, rng, False, False, chained_by={seg},
+                                                 last_forward_use=seg - 2, born=seg - 1)
         points = _points(graph.timeline, head)
         after_peaks = []
         for seg in range(1, head):
@@ -594,7 +600,7 @@ class CostModel:
                     k == s.last_forward_use and not (s.dies_between and s.base_held)
                     and (k in self.after_peaks or s.dies_between and k == len(self.units) + 1)))
             else:
-                needed_by = s.savers | s.input_of | s.cheap_kept_by
+                needed_by = s.savers | s.input_of | s.cheap_kept_by | s.chained_by
                 alive = bool(needed_by) and k >= min(needed_by)
                 if point.phase == "backward" and (k in s.savers or k in s.cheap_kept_by):
                     alive = False  # kept, or rematerialised for this unit's own backward
@@ -621,7 +627,7 @@ class CostModel:
         for seg in s.cheap_kept_by:
             if decisions.get(self.units[seg - 1], Decision.KEEP) == Decision.RECOMPUTE_CHEAP:
                 return True
-        return False
+        return any(decisions.get(self.units[seg - 1]) == Decision.RECOMPUTE_CHAIN for seg in s.chained_by)
 
     @staticmethod
     def stored_units(bits: dict[str, int] | None) -> frozenset[str]:
@@ -664,7 +670,9 @@ class CostModel:
         keep = np.array([decisions.get(u, Decision.KEEP) == Decision.KEEP for u in self.units], dtype=np.float64)
         cheap = np.array([decisions.get(u, Decision.KEEP) == Decision.RECOMPUTE_CHEAP for u in self.units],
                          dtype=np.float64)
-        held = m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
+        chain = np.array([decisions.get(u) == Decision.RECOMPUTE_CHAIN for u in self.units], dtype=np.float64)
+        held = (m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
+                | (m["chained"] @ chain > 0))
         values = m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep)
         chained = [decisions.get(u) == Decision.RECOMPUTE_CHAIN for u in self.units]
         if any(chained):
@@ -739,7 +747,7 @@ class CostModel:
             return cache
         n, ns, npt = len(self.units), len(self.storages), len(self.points)
         index = {id(s): j for j, s in enumerate(self.storages)}
-        savers, inputs, cheap = np.zeros((ns, n)), np.zeros((ns, n)), np.zeros((ns, n))
+        savers, inputs, cheap, chained = np.zeros((ns, n)), np.zeros((ns, n)), np.zeros((ns, n)), np.zeros((ns, n))
         for j, s in enumerate(self.storages):
             for seg in s.savers:
                 savers[j, seg - 1] = 1
@@ -747,6 +755,8 @@ class CostModel:
                 inputs[j, seg - 1] = 1
             for seg in s.cheap_kept_by:
                 cheap[j, seg - 1] = 1
+            for seg in s.chained_by:
+                chained[j, seg - 1] = 1
         coef = np.zeros((npt, ns))
         transient = np.zeros((npt, n))
         gain_keep, gain_rec, gain_stored = np.zeros((npt, n)), np.zeros((npt, n)), np.zeros((npt, n))
@@ -765,7 +775,7 @@ class CostModel:
             "pinned": np.array([s.pinned for s in self.storages], dtype=bool),
             "base": np.array([float(s.base_held) for s in self.storages]),
             "measured": np.array([float(p.measured) for p in self.points]),
-            "savers": savers, "inputs": inputs, "cheap": cheap, "coef": coef, "transient": transient,
+            "savers": savers, "inputs": inputs, "cheap": cheap, "chained": chained, "coef": coef, "transient": transient,
             "gain_keep": gain_keep, "gain_rec": gain_rec, "gain_stored": gain_stored,
             "outside": np.array([float(g) for g in self.outside_gain]) if self.outside_gain else np.zeros(npt),
         }
@@ -791,7 +801,7 @@ class CostModel:
         for j, s in enumerate(self.storages):
             if j in dropped:
                 continue
-            owners = s.savers | s.input_of | s.cheap_kept_by
+            owners = s.savers | s.input_of | s.cheap_kept_by | s.chained_by
             if seg in owners and min(owners) == seg and self.held(s, decisions) and not s.pinned:
                 total += s.nbytes
         return total

@@ -156,7 +156,7 @@ def scale_saved(small: list[SavedInfo], large: list[SavedInfo], grad_sq: float,
 
 def _structure(s: _Storage) -> tuple:  # type: ignore[type-arg]
     return (s.base_held, s.pinned, tuple(sorted(s.savers)), tuple(sorted(s.input_of)),
-            tuple(sorted(s.cheap_kept_by)), s.last_forward_use, s.dies_between, s.born)
+            tuple(sorted(s.cheap_kept_by)), tuple(sorted(s.chained_by)), s.last_forward_use, s.dies_between, s.born)
 
 
 def _check_same(a: CostModel, b: CostModel) -> None:

@@ -247,6 +247,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             prob += v >= 1 - keep(seg)
         for seg in s.cheap_kept_by:
             prob += v >= cheap(seg)
+        for seg in s.chained_by:
+            if seg in drop:
+                prob += v >= drop[seg]
     q: dict[tuple[str, int], pulp.LpVariable] = {}
     seg_index = {u: i + 1 for i, u in enumerate(model.units)}
     if compress is not None:
