@@ -31,7 +31,10 @@ class SegmentStat:
     """One stretch of the plain step: bytes above the step's start when it began, at its peak and at its end.
 
     ``seg`` is 0 for the stem (before the first unit), 1..n for the units (and the code right after each), and
-    n + 1 for the head (after the last unit: output layers, loss; their backward comes first).
+    n + 1 for the head (after the last unit: output layers, loss; their backward comes first). ``phase`` is
+    ``"forward"``, ``"backward"``, or ``"after"``: the backward of the code after unit ``seg`` (timm's DenseNet
+    transition, PyG's activations between convs), which runs before the unit's own and, where that code saves
+    tensors, is a stretch of its own: a recomputed unit's saved tensors are not back yet there.
     """
 
     seg: int
@@ -119,7 +122,7 @@ def _measure(
     meter = MemoryMeter(model, batch)
     marks: list[tuple[int, str, float, bool, str, int]] = []  # (seg, phase, time, closes a segment, window key, node)
     state: dict[str, Any] = {"seg": 0, "inside": False, "bseg": head, "backward": False, "region": "<stem>",
-                             "key": "", "node": -1}
+                             "key": "", "node": -1, "bphase": "backward"}
     nodes: dict[int, int] = {}  # id of an autograd node -> its number (backward creates no nodes: ids stay unique)
     counts: dict[str, int] = {}
 
@@ -150,11 +153,13 @@ def _measure(
         return _Held(inner_pack(t) if inner_pack else t, state["seg"], key=f"{region}#{k}")
 
     def unpack(h: Any) -> torch.Tensor:
-        if h.seg != state["bseg"]:
-            mark(state["bseg"], "backward")
+        after = h.key.startswith("<after:") and h.seg <= n  # the head is all code after the last unit
+        if h.seg != state["bseg"] or (state["bphase"] == "after" and not after and not h.raw):
+            mark(state["bseg"], state["bphase"])  # a new segment, or the unit's own backward after its code's
             state["bseg"], state["key"], state["node"] = h.seg, "", -1
+            state["bphase"] = "after" if after else "backward"
         if windows is not None and not h.raw and h.key != state["key"]:
-            mark(state["bseg"], "backward", closes=False)
+            mark(state["bseg"], state["bphase"], closes=False)
             node = torch._C._current_autograd_node()
             state["key"], state["node"] = h.key, -1 if node is None else nodes.setdefault(id(node), len(nodes))
         return inner_unpack(h.tensor) if inner_unpack and not h.raw else h.tensor
@@ -172,7 +177,7 @@ def _measure(
                 mark(state["seg"], "forward")
                 state["backward"], state["key"] = True, ""
                 loss.backward()
-                mark(state["bseg"], "backward")
+                mark(state["bseg"], state["bphase"])
             del output, loss
     finally:
         for h in handles:
@@ -184,7 +189,7 @@ def _measure(
     current: list[Any] | None = None  # the segment being assembled from its stretches: seg, phase, start, peak, end
     for (seg, phase, t, closes, key, node), stat in zip(marks, report.phases.values()):
         peak = stat.peak_bytes - base
-        if windows is not None and phase == "backward":
+        if windows is not None and phase != "forward":
             windows.append((seg, key, peak, node, stat.peak_bytes - prev_end))
         if forward_windows is not None and phase == "forward":
             forward_windows.append((seg, key, peak, stat.peak_bytes - prev_end))

@@ -84,7 +84,7 @@ _NO_SAVING = CompactSaving(0, 0, 0, 0)
 
 @dataclass
 class _Point:
-    phase: str  # "forward", "backward" or "recompute"
+    phase: str  # "forward", "after" (the backward of the code after the unit), "backward" or "recompute"
     seg: int
     measured: int  # bytes above the step's start, measured in the plain step
 
@@ -552,7 +552,7 @@ class CostModel:
         if not bits:
             return out
         seg = np.array([p.seg for p in self.points])
-        at_start = np.array([p.phase == "recompute" for p in self.points])
+        at_start = np.array([p.phase in ("recompute", "after") for p in self.points])
         in_backward = np.array([p.phase == "backward" for p in self.points])
         in_forward = ~(at_start | in_backward)
         for s, k, alive in zip(self.saved, self.saved_seg, self.saved_alive):
@@ -644,7 +644,7 @@ class CostModel:
             return held if decision == Decision.KEEP else 0
         if point.seg == seg:  # its backward starts with what it holds (kept, or recomputed just before)
             if decision != Decision.KEEP:  # the recomputation runs the compact forward again, its output held anyway
-                return {"forward": local_fwd, "backward": held + local_bwd}.get(point.phase, local_fwd)
+                return {"forward": local_fwd, "backward": held + local_bwd, "after": 0}.get(point.phase, local_fwd)
             return {"forward": local_fwd, "backward": held + released + local_bwd}.get(point.phase, held + released)
         return 0
 
@@ -727,8 +727,8 @@ class CostModel:
                 continue
             if p.phase == "forward" or p.seg > len(self.units):
                 out.append((i, None))
-            elif p.seg >= seg:
-                out.append((i, p.seg))
+            elif p.seg >= seg:  # the code after unit k runs its backward before k recomputes: k + 1's chain is back
+                out.append((i, p.seg + 1 if p.phase == "after" else p.seg))
         return out
 
     def chain_transient(self, seg: int, run: int) -> int:
@@ -844,13 +844,19 @@ def _compact_savings(names: list[str], seg_of_unit: dict[str, int], base: list, 
 
 def _points(timeline: list, head: int) -> list[_Point]:
     """The memory points of a measured timeline: per segment, its forward peak, its backward peak, and the bytes
-    live when its backward starts (where a recomputation runs)."""
+    live when its backward starts (where a recomputation runs); where the code after the unit saved tensors and
+    the unit did too, the peak of that code's backward (``"after"``), which runs first, apart."""
     points: list[_Point] = []
     for seg in range(head + 1):
         f = [t for t in timeline if t.seg == seg and t.phase == "forward"]
+        a = [t for t in timeline if t.seg == seg and t.phase == "after"]
         b = [t for t in timeline if t.seg == seg and t.phase == "backward"]
         if f:
             points.append(_Point("forward", seg, max(t.peak_bytes for t in f)))
+        if a and b:
+            points.append(_Point("after", seg, max(t.peak_bytes for t in a)))
+        elif a:
+            b = a
         if b:
             points.append(_Point("backward", seg, max(t.peak_bytes for t in b)))
             points.append(_Point("recompute", seg, b[0].start_bytes))

@@ -353,7 +353,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()
                  if (p.seg > alive[key] if p.phase == "forward" else
-                     p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase == "recompute"))]
+                     p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase in ("recompute", "after")))]
         if gains:
             expr -= pulp.lpSum(gains)
         if (p.phase, p.seg) in gain:
