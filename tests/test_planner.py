@@ -259,3 +259,36 @@ def test_the_outside_forms_are_timed_where_code_outside_the_units_runs() -> None
     slower = CostModel.from_graph(graph).compact_s[OUTSIDE_UNITS]
     stretches = sum(t.seg in (0, units + 1) for t in graph.timeline_outside)
     assert slower == pytest.approx(costs.compact_s[OUTSIDE_UNITS] + 0.5 * stretches)
+
+
+def test_ilp_is_optimal_against_brute_force_where_units_share_inputs() -> None:
+    """A DenseNet block: every layer takes every earlier feature map, and the transition's backward runs before the
+    block's last layer recomputes. The program counts a shared input held only by the units whose backward has not
+    run (``CostModel.prefix_terms``) and the transition's backward as a point of its own, as the cost model does:
+    its minimum peak is the cost model's peak of the plan it returns, and at every budget its recompute time is
+    the best of all valid unit decisions that fit."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=(3, 3))
+    adapter = zoomem.get_adapter(model)
+    costs = CostModel.from_graph(zoomem.trace(model, adapter.example_batch(model, 2, image_size=64), adapter=adapter))
+    assert costs.prefix_terms() and any(p.phase == "after" for p in costs.points)
+    from zoomem.planner import solve
+
+    least, choice = solve.min_feasible_budget(costs)
+    prob, _ = solve._build(costs, None)
+    solve.solve(prob, solve._solver(10.0)[1])
+    program = costs.fixed_bytes + prob.variablesDict()["peak"].value() * 2**20
+    assert abs(program - least) < 64, (program, least)
+    everything = [(costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
+    assert least == min(p for p, _ in everything)
+    top = max(p for p, _ in everything)
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(least + frac * (top - least))
+        best = min(t for p, t in everything if p <= budget)
+        got, info = _decisions_ilp(costs, budget)
+        assert got is not None and info["status"] == "optimal", info
+        t = costs.recompute_time(got[0], got[1])
+        assert costs.peak(*got[:2]) <= budget
+        assert best - 1e-9 <= t <= best + MIP_GAP * best + 1e-9, (frac, got, t, best)

@@ -546,6 +546,32 @@ def test_the_code_after_a_recomputed_unit_runs_its_backward_before_the_unit_reco
     zoomem.unwrap(model)
 
 
+def test_an_input_several_units_take_is_held_only_until_the_recomputed_ones_backward() -> None:
+    """Every layer of a DenseNet block takes the block's input and every earlier layer's feature map. Recomputing
+    one layer keeps them until that layer's backward only, but the cost model counted each at every backward point
+    down to the first layer that takes it (16-65 KiB high at each earlier layer's backward here); a backward point
+    now counts a storage as held by the units whose backward has not run yet (``CostModel.prefix_terms``)."""
+    import timm
+
+    from zoomem.planner.costs import CostModel
+    from zoomem.runtime.wrap import plan_points
+
+    torch.manual_seed(0)
+    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=(4, 4))
+    adapter = zoomem.get_adapter(model)
+    batch = adapter.example_batch(model, 2, image_size=64)
+    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    costs = CostModel.from_graph(handle.last_graph)
+    plan = copy.deepcopy(next(iter(handle.plans.values())))
+    plan.units[2].decision = Decision.RECOMPUTE  # denseblock1.denselayer3
+    points = plan_points(model, plan, costs, batch)
+    off = [(p.seg, int(v) - got) for p, v, got in points if p.phase == "backward" and got is not None
+           and p.seg <= len(plan.units) and abs(int(v) - got) > 1024]
+    assert not off, off
+    zoomem.unwrap(model)
+
+
 def test_a_chain_holds_each_recipe_generator_state() -> None:
     """A unit whose successor drops its input (``RECOMPUTE_CHAIN``) registers how to run it again, with the CPU
     generator's state (5056 bytes), held to the successor's backward: ConvNeXt's ``sqrt`` plan, ten chained units,

@@ -608,6 +608,33 @@ class CostModel:
                 out.append((s, s.nbytes))
         return out
 
+    def prefix_terms(self) -> list[tuple[int, int, int, bool]]:
+        """(point index, storage index, last holder, held in plain PyTorch): the backward points where a storage
+        that several units hold is held only by those whose backward has not run yet, the ones at segments up to
+        ``last`` (DenseNet's feature maps, each taken by every later layer of its block: kept alive by the latest
+        recomputed one only until that one's backward). There it counts ``c * (held by those - held in plain
+        PyTorch by its savers among them)`` in place of ``c * (h - base_held)``. Dropped chain inputs are
+        counted by :meth:`chain_points` instead."""
+        cache = self.__dict__.get("_prefix_cache")
+        if cache is not None:
+            return cache
+        chained = set(self.chain.values())
+        out = []
+        for i, p in enumerate(self.points):
+            if p.phase == "forward" or p.seg > len(self.units):
+                continue
+            counted = {id(t) for t, _ in self._coefficients(p)}
+            for j, s in enumerate(self.storages):
+                if j in chained or id(s) not in counted:
+                    continue
+                holders = s.savers | s.input_of | s.cheap_kept_by | s.chained_by
+                if max(holders) <= p.seg:
+                    continue
+                last = max(k for k in holders if k <= p.seg)
+                out.append((i, j, last, s.base_held and any(k <= last for k in s.savers)))
+        self.__dict__["_prefix_cache"] = out
+        return out
+
     def _coefficients(self, point: _Point) -> list[tuple[_Storage, int]]:
         cache = self.__dict__.setdefault("_coef_cache", {})
         key = (point.phase, point.seg)
@@ -674,6 +701,12 @@ class CostModel:
         held = (m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
                 | (m["chained"] @ chain > 0))
         values = m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep)
+        if m["prefix_i"].size:  # held only by the holders whose backward has not run yet (prefix_terms)
+            early = ((m["prefix_savers"] @ keep > 0) | (m["prefix_inputs"] @ (1 - keep) > 0)
+                     | (m["prefix_cheap"] @ cheap > 0) | (m["prefix_chained"] @ chain > 0))
+            j = m["prefix_j"]
+            np.add.at(values, m["prefix_i"], m["prefix_c"] * (
+                (early - m["prefix_base"]) - (held[j].astype(np.float64) - m["base"][j])))
         chained = [decisions.get(u) == Decision.RECOMPUTE_CHAIN for u in self.units]
         if any(chained):
             self.check_chain(decisions)
@@ -771,7 +804,17 @@ class CostModel:
                     gain_rec[i, k] = self.compact_gain(p, u, Decision.RECOMPUTE)
                 if u in self.compact_saving_stored:
                     gain_stored[i, k] = self.compact_gain(p, u, Decision.KEEP, stored=True)
+        terms = self.prefix_terms()
+        upto = np.array([[1.0 if seg <= last else 0.0 for seg in range(1, n + 1)] for _, _, last, _ in terms]
+                        ).reshape(len(terms), n)
+        rows = [j for _, j, _, _ in terms]
         cache = {
+            "prefix_i": np.array([i for i, _, _, _ in terms], dtype=np.int64),
+            "prefix_j": np.array(rows, dtype=np.int64),
+            "prefix_c": np.array([coef[i, j] for i, j, _, _ in terms]),
+            "prefix_base": np.array([float(b) for _, _, _, b in terms]),
+            "prefix_savers": savers[rows] * upto, "prefix_inputs": inputs[rows] * upto,
+            "prefix_cheap": cheap[rows] * upto, "prefix_chained": chained[rows] * upto,
             "pinned": np.array([s.pinned for s in self.storages], dtype=bool),
             "base": np.array([float(s.base_held) for s in self.storages]),
             "measured": np.array([float(p.measured) for p in self.points]),

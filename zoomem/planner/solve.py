@@ -317,6 +317,35 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
                 prob.addConstraint(v >= pulp.lpSum(drop[k] for k in range(seg, last + 1)) - (last - seg))
         return z[seg, last]
 
+    # a storage several units hold is held at a backward point only by those whose backward has not run yet:
+    # a >= each of their indicators, per (storage, last such holder) (CostModel.prefix_terms)
+    index = {id(s): j for j, s in enumerate(model.storages)}
+    prefix = {(i, j): (last, base) for i, j, last, base in model.prefix_terms()}
+    early: dict[tuple[int, int], pulp.LpVariable | int] = {}
+
+    def held_early(j: int, last: int) -> pulp.LpVariable | int:
+        if (j, last) not in early:
+            s = model.storages[j]
+            if any(seg <= last for seg in s.savers & s.input_of):
+                early[j, last] = 1
+            else:
+                v = early[j, last] = pulp.LpVariable(f"a_{j}_{last}", 0, 1)
+                for seg in (k for k in s.savers if k <= last):
+                    prob.addConstraint(v >= keep(seg))
+                for seg in (k for k in s.input_of if k <= last):
+                    prob.addConstraint(v >= 1 - keep(seg))
+                for seg in (k for k in s.cheap_kept_by if k <= last):
+                    prob.addConstraint(v >= cheap(seg))
+                for seg in (k for k in s.chained_by if k <= last and k in drop):
+                    prob.addConstraint(v >= drop[seg])
+        return early[j, last]
+
+    def held_term(s, i):  # type: ignore[no-untyped-def]
+        if s.sid in chain_of:
+            return chain_held(s, i) - int(s.base_held)
+        last, base = prefix.get((i, index[id(s)]), (None, s.base_held))
+        return (h[s.sid] if last is None else held_early(index[id(s)], last)) - int(base)
+
     # the compact forms outside the units: one plan-wide switch, a measured gain per point; on in compression
     # modes (their trace measured with them on), else the program's choice (on and off: one-hot, as unit modes)
     outside: bool | tuple[pulp.LpVariable, pulp.LpVariable] = bool(model.outside_gain) and compress is not None
@@ -330,8 +359,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     for i, p in enumerate(model.points):
         expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
-            k * ((chain_held(s, i) if s.sid in chain_of else h[s.sid]) - int(s.base_held))
-            for s, k in model._coefficients(p))
+            k * held_term(s, i) for s, k in model._coefficients(p))
         if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
             runs = []
             for run in range(p.seg - 1, max(0, p.seg - MAX_CHAIN - 1), -1):
