@@ -779,7 +779,8 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
 def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
     """Every memory point of ``costs`` (what ``candidate``, a plan for the wrapped ``model``, was made from) with
     the bytes the cost model predicts there under ``candidate`` and the bytes one real step under it measures
-    (``None`` where the step has no such point); bytes above the step's start. Where a cost model is off:
+    (``None`` where the step has no such point: a recomputed unit's ``after`` point, measured with its backward,
+    whose unpacking its checkpoint hides); bytes above the step's start. Where a cost model is off:
     ``scripts/point_errors.py``."""
     handle: _Handle = model.__dict__["_zoomem"]
     active = _Active.of(candidate)
