@@ -58,13 +58,15 @@ ForwardWindow = tuple[int, str, int, int]
 above its start, what the forward's work after the saving adds (a quantization's scratch, at the saving, counts
 only beyond it)."""
 
-BackwardWindow = tuple[int, str, int, int, int]
-"""(segment, key, peak bytes above the step's start, node, rise) of one stretch of a backward: from autograd
+BackwardWindow = tuple[int, str, int, int, int, str]
+"""(segment, key, peak bytes above the step's start, node, rise, phase) of one stretch of a backward: from autograd
 unpacking the saved tensor ``key`` (named as :class:`~zoomem.runtime.storage.SavedTensorStore` names it,
 ``"<region>#<k>"``) to its unpacking the next one; the first stretch of a segment has key ``""``. ``node`` numbers
 the autograd node that unpacked it (in the order backward runs them; -1 for a first stretch): the tensors one node
 unpacks come back together, and a split backward's second node unpacks only its weight. ``rise``: its peak above
-its start, what the backward's work after the unpacking adds (a dequantization's scratch beyond it is extra)."""
+its start, what the backward's work after the unpacking adds (a dequantization's scratch beyond it is extra).
+``phase``: ``"after"`` in the backward of the code after the unit, which runs first (:class:`SegmentStat`), else
+``"backward"``."""
 
 
 def measure_timeline(
@@ -190,7 +192,7 @@ def _measure(
     for (seg, phase, t, closes, key, node), stat in zip(marks, report.phases.values()):
         peak = stat.peak_bytes - base
         if windows is not None and phase != "forward":
-            windows.append((seg, key, peak, node, stat.peak_bytes - prev_end))
+            windows.append((seg, key, peak, node, stat.peak_bytes - prev_end, phase))
         if forward_windows is not None and phase == "forward":
             forward_windows.append((seg, key, peak, stat.peak_bytes - prev_end))
         if current is None:

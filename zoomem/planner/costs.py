@@ -117,14 +117,15 @@ class CostModel:
     saved: list[SavedInfo] = field(default_factory=list)
     """Lossy-eligible saved tensors (compression modes only), with the segment each is saved in."""
     saved_seg: list[int] = field(default_factory=list)
-    backward_windows: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    backward_windows: list[tuple[int, str, int, int, int, str]] = field(default_factory=list)
     """The backward of the step as lossy plans run it (compact forms on), cut at every saved tensor unpacked:
-    (segment, key, peak bytes, node, rise), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
-    own_windows: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = field(
-        default_factory=dict)
-    """Per segment, the states of its own lossy-eligible tensors through its backward: (bytes below the segment's
-    backward peak there, indices into ``saved`` still packed, indices unpacked by the node running, those whose
-    dequantization opens the stretch, what the stretch's work rises after it)."""
+    (segment, key, peak bytes, node, rise, phase), in order (:data:`zoomem.graph.timeline.BackwardWindow`)."""
+    own_windows: dict[tuple[str, int], list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = (
+        field(default_factory=dict))
+    """Per (phase, segment), ``"backward"`` or ``"after"`` (the code after the unit, whose backward runs first), the
+    states of the segment's own lossy-eligible tensors through that backward: (bytes below that phase's peak there,
+    indices into ``saved`` still packed, indices unpacked by the node running, those whose dequantization opens
+    the stretch, what the stretch's work rises after it)."""
     forward_windows: list[tuple[int, str, int, int]] = field(default_factory=list)
     """The forward of the step as lossy plans run it, cut at every tensor saved: (segment, key, peak bytes, rise),
     in order (:data:`zoomem.graph.timeline.ForwardWindow`)."""
@@ -405,7 +406,7 @@ class CostModel:
         return out
 
     def _own_windows(self, aliases: dict[str, str]
-                     ) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]]:
+                     ) -> dict[tuple[str, int], list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]]:
         """:attr:`own_windows` from :attr:`backward_windows`: walking a segment's backward, the node running holds
         dequantized copies of the lossy-eligible tensors it unpacks (a duplicate's unpacking is its base's), a
         tensor not yet unpacked for the last time is still packed, and one past that is gone (in the plain step
@@ -414,12 +415,13 @@ class CostModel:
         A stretch opened by dequantizing a tensor holds its scratch only beyond what the stretch's own work rises
         after it. Without windows (a trace extrapolated from smaller batches) each group in forward order is taken
         to run at the segment's peak, the backward running them in reverse, each dequantization's scratch on top:
-        never more gain than there is."""
+        never more gain than there is. The code after a unit runs its backward first: its stretches are those of
+        the segment's ``"after"`` point, below that point's own peak, the unit's tensors all still packed there."""
         index = {s.key: j for j, s in enumerate(self.saved)}
-        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = {}
-        by_seg: dict[int, list[tuple[str, int, int, int]]] = {}
-        for seg, key, peak, node, rise in self.backward_windows:
-            by_seg.setdefault(seg, []).append((key, peak, node, rise))
+        out: dict[tuple[str, int], list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]] = {}
+        by_seg: dict[int, list[tuple[str, int, int, int, str]]] = {}
+        for seg, key, peak, node, rise, *phase in self.backward_windows:
+            by_seg.setdefault(seg, []).append((key, peak, node, rise, phase[0] if phase else "backward"))
         for k, groups in self.unpack_groups().items():
             mine = {j for g in groups for j in g}
             walk = by_seg.get(k)
@@ -428,28 +430,34 @@ class CostModel:
                 for g in sorted(groups, key=min):
                     states.append((0, tuple(before), tuple(g), tuple(g), 0))
                     before += g
-                out[k] = states
+                out["backward", k] = states
                 continue
-            top = max(peak for _, peak, _, _ in walk)
-            own = [index.get(aliases.get(key, key)) for key, _, _, _ in walk]
+            top: dict[str, int] = {}
+            for _, peak, _, _, phase in walk:
+                top[phase] = max(top.get(phase, peak), peak)
+            if "backward" not in top:  # the unit saved nothing: one point, as _points makes it
+                walk = [(*w[:4], "backward") for w in walk]
+                top = {"backward": max(top.values())}
+            own = [index.get(aliases.get(key, key)) for key, _, _, _, _ in walk]
             own = [j if j is not None and j in mine else None for j in own]
             unpacks: dict[int, set[int]] = {}  # node -> the segment's eligible tensors it unpacks
-            for (_, _, node, _), j in zip(walk, own):
+            for (_, _, node, _, _), j in zip(walk, own):
                 if node >= 0 and j is not None:
                     unpacks.setdefault(node, set()).add(j)
             current: tuple[int, ...] = ()
             running = []
-            for (_, peak, node, rise), j in zip(walk, own):
+            for (_, peak, node, rise, phase), j in zip(walk, own):
                 if node >= 0:  # else a segment's first stretch, before any unpacking
                     current = tuple(sorted(unpacks.get(node, ())))
-                running.append((top - peak, current, () if j is None else (j,), rise))
-            last = {j: i for i, (_, cur, _, _) in enumerate(running) for j in cur}
-            best: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int], int] = {}
-            for i, (deficit, cur, opened, rise) in enumerate(running):
+                running.append((phase, top[phase] - peak, current, () if j is None else (j,), rise))
+            last = {j: i for i, (_, _, cur, _, _) in enumerate(running) for j in cur}
+            best: dict[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int], int] = {}
+            for i, (phase, deficit, cur, opened, rise) in enumerate(running):
                 pending = tuple(sorted(j for j in mine if j not in cur and last.get(j, -1) > i))
-                state = (pending, cur, opened, rise if opened else 0)
+                state = (phase, pending, cur, opened, rise if opened else 0)
                 best[state] = min(best.get(state, deficit), deficit)
-            out[k] = [(d, *state) for state, d in best.items()]
+            for (phase, *state), d in best.items():
+                out.setdefault((phase, k), []).append((d, *state))
         return out
 
     def _lingering(self) -> tuple[int, ...]:
@@ -497,7 +505,7 @@ class CostModel:
 
     def stretches(self) -> dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]]:
         """The stretches of each unit's own forward (:attr:`own_forward`) and backward (:attr:`own_windows`) as
-        linear terms in the bits: (``"forward"`` or ``"backward"``, segment) -> [(bytes below that phase's peak,
+        linear terms in the bits: (``"forward"``, ``"after"`` or ``"backward"``, segment) -> [(bytes below that phase's peak,
         [(index into ``saved``, kind, rise)])], each term's bytes given by :meth:`term_bytes`. The bytes the
         bits take off that phase are the least over its stretches: :meth:`compress_gain_rows` evaluates it, the
         joint program bounds one variable by each stretch."""
@@ -506,10 +514,10 @@ class CostModel:
             out["forward", k] = [(d, [*((j, "free", 0) for j in free), *((j, "beside", 0) for j in held),
                                       *((j, "packing", rise) for j in opened), *((j, "whole", 0) for j in whole)])
                                  for d, free, held, opened, whole, rise in fstates]
-        for k, states in self.own_windows.items():
-            out["backward", k] = [(d, [*((j, "free", 0) for j in pending), *((j, "beside", 0) for j in cur),
-                                       *((j, "unpacking", rise) for j in opened)])
-                                  for d, pending, cur, opened, rise in states]
+        for (phase, k), states in self.own_windows.items():
+            out[phase, k] = [(d, [*((j, "free", 0) for j in pending), *((j, "beside", 0) for j in cur),
+                                  *((j, "unpacking", rise) for j in opened)])
+                             for d, pending, cur, opened, rise in states]
         return out
 
     def term_bytes(self, j: int, kind: str, bits: int, rise: int = 0) -> int:
@@ -552,21 +560,40 @@ class CostModel:
         if not bits:
             return out
         seg = np.array([p.seg for p in self.points])
-        at_start = np.array([p.phase in ("recompute", "after") for p in self.points])
+        stretches = self.stretches()
+        at_start = np.array([self.packed_at_start(p, stretches) for p in self.points])
         in_backward = np.array([p.phase == "backward" for p in self.points])
-        in_forward = ~(at_start | in_backward)
-        for s, k, alive in zip(self.saved, self.saved_seg, self.saved_alive):
+        in_after = np.array([p.phase == "after" for p in self.points])
+        in_recompute = np.array([p.phase == "recompute" for p in self.points])
+        in_forward = ~(at_start | in_backward | in_after)
+        gone = self.gone_at_start()
+        for j, (s, k, alive) in enumerate(zip(self.saved, self.saved_seg, self.saved_alive)):
             b = bits.get(s.key)
             if b:
-                credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & at_start))
+                start = at_start & ~(in_recompute & gone[j])
+                credited = np.where(in_forward, seg > alive, (seg > k) | ((seg == k) & start))
                 out += credited * (s.nbytes - s.packed_nbytes(b))
-        phase = {"forward": in_forward, "backward": in_backward}
-        for (name, k), stretches in self.stretches().items():
+        phase = {"forward": in_forward, "backward": in_backward, "after": in_after & ~at_start}
+        for (name, k), stretches in stretches.items():
             least = min(d + sum(self.term_bytes(j, kind, bits[self.saved[j].key], rise)
                                 for j, kind, rise in terms if bits.get(self.saved[j].key))
                         for d, terms in stretches)
             out += ((seg == k) & phase[name]) * least
         return out
+
+    def gone_at_start(self) -> list[bool]:
+        """Per lossy-eligible tensor: whether it is gone where its segment's recomputation runs, the start of the
+        unit's own backward: saved by the code after the unit, whose backward ran before, apart (an ``"after"``
+        point) (DenseNet's transition: crediting its tensors as packed there read a block's last layer 223 KiB
+        low)."""
+        apart = {p.seg for p in self.points if p.phase == "after"}
+        return [s.region.startswith("<after:") and k in apart for s, k in zip(self.saved, self.saved_seg)]
+
+    @staticmethod
+    def packed_at_start(point: _Point, stretches: dict) -> bool:  # type: ignore[type-arg]
+        """Whether ``point`` sees every lossy tensor of its own segment packed: where a recomputation runs, and in
+        the backward of the code after the unit when it has no stretches of its own to say which come back."""
+        return point.phase == "recompute" or point.phase == "after" and ("after", point.seg) not in stretches
 
     def compress_time(self, bits: dict[str, int]) -> float:
         by_key = {s.key: s for s in self.saved}

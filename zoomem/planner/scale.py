@@ -94,9 +94,10 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     if small.outside_gain or large.outside_gain:
         zeros = [0] * len(points)
         outside = [by(a, b) for a, b in zip(small.outside_gain or zeros, large.outside_gain or zeros)]
-    windows: list[tuple[int, str, int, int, int]] = []
-    if [(w[:2], w[3]) for w in small.backward_windows] == [(w[:2], w[3]) for w in large.backward_windows]:
-        windows = [(seg, key, by(a, b), node, by(ra, rb)) for (seg, key, a, node, ra), (_, _, b, _, rb)
+    windows: list[tuple[int, str, int, int, int, str]] = []
+    if [(w[:2], w[3], w[5:]) for w in small.backward_windows] == [
+            (w[:2], w[3], w[5:]) for w in large.backward_windows]:
+        windows = [(seg, key, by(a, b), node, by(ra, rb), *rest) for (seg, key, a, node, ra, *rest), (_, _, b, _, rb, *_)
                    in zip(small.backward_windows, large.backward_windows)]
     forward_windows: list[tuple[int, str, int, int]] = []
     if [w[:2] for w in small.forward_windows] == [w[:2] for w in large.forward_windows]:

@@ -357,6 +357,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             outside[1].setInitialValue(int(OUTSIDE_UNITS not in warm[1]))
     switch = outside[0] if isinstance(outside, tuple) else int(outside)
     peak = pulp.LpVariable("peak", 0) if limit is None else None
+    phases = model.stretches() if q else {}  # a lossy tensor counts packed where its unit's backward starts
+    at_start = [model.packed_at_start(p, phases) for p in model.points]
+    gone = dict(zip((s.key for s in model.saved), model.gone_at_start()))
     for i, p in enumerate(model.points):
         expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
             k * held_term(s, i) for s, k in model._coefficients(p))
@@ -381,7 +384,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr += model.transient[p.seg] * (1 - keep(p.seg))
         gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()
                  if (p.seg > alive[key] if p.phase == "forward" else
-                     p.seg > by_key[key][1] or (p.seg == by_key[key][1] and p.phase in ("recompute", "after")))]
+                     p.seg > by_key[key][1] or (p.seg == by_key[key][1] and at_start[i]
+                                                and not (p.phase == "recompute" and gone[key])))]
         if gains:
             expr -= pulp.lpSum(gains)
         if (p.phase, p.seg) in gain:
