@@ -49,6 +49,21 @@ def _choices(costs: CostModel, max_chain: int = 10**9) -> list[dict[str, Decisio
     return out
 
 
+def _assert_best_at_budgets(costs: CostModel, everything: list[tuple[int, float]], floor: int, top: int,
+                            credit: float = 0.0) -> None:
+    """At budgets a tenth, half and nine tenths of the way from ``floor`` to ``top``, the ILP's plan fits and its
+    recompute time is the best of ``everything`` ((peak, time) of every plan) that fits, up to ``MIP_GAP`` (of the
+    time plus ``credit``, what faster compact forms take off)."""
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(floor + frac * (top - floor))
+        best = min(t for p, t in everything if p <= budget)
+        choice, info = _decisions_ilp(costs, budget)
+        assert choice is not None and info["status"] == "optimal", info
+        t = costs.recompute_time(choice[0], choice[1])
+        assert costs.peak(*choice[:2]) <= budget
+        assert best - 1e-9 <= t <= best + MIP_GAP * (best + credit) + 1e-9, (frac, choice, t, best)
+
+
 def test_identical_units_share_their_costs(bert_costs: CostModel) -> None:
     assert len(bert_costs.units) == 4
     assert len(set(bert_costs.recompute_s.values())) == 1  # one median for the four identical layers
@@ -213,14 +228,7 @@ def test_a_compact_form_that_runs_faster_is_credited(gcn_costs: CostModel) -> No
             everything.append((costs.peak(d, c), costs.recompute_time(d, c)))
     credit = sum(-min(0.0, costs.compact_s[u]) for u in costs.compact_saving)  # the outside forms' is no variable
     floor = min(p for p, _ in everything)
-    for frac in (0.1, 0.5, 0.9):
-        budget = int(floor + frac * (baseline - floor))
-        best = min(t for p, t in everything if p <= budget)
-        choice, info = _decisions_ilp(costs, budget)
-        assert choice is not None and info["status"] == "optimal", info
-        t = costs.recompute_time(choice[0], choice[1])
-        assert costs.peak(*choice[:2]) <= budget
-        assert best - 1e-9 <= t <= best + MIP_GAP * (best + credit) + 1e-9, (frac, choice, t, best)
+    _assert_best_at_budgets(costs, everything, floor, baseline, credit)
 
     from zoomem.planner import solve
 
@@ -283,12 +291,4 @@ def test_ilp_is_optimal_against_brute_force_where_units_share_inputs() -> None:
     assert abs(program - least) < 64, (program, least)
     everything = [(costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
     assert least == min(p for p, _ in everything)
-    top = max(p for p, _ in everything)
-    for frac in (0.1, 0.5, 0.9):
-        budget = int(least + frac * (top - least))
-        best = min(t for p, t in everything if p <= budget)
-        got, info = _decisions_ilp(costs, budget)
-        assert got is not None and info["status"] == "optimal", info
-        t = costs.recompute_time(got[0], got[1])
-        assert costs.peak(*got[:2]) <= budget
-        assert best - 1e-9 <= t <= best + MIP_GAP * best + 1e-9, (frac, got, t, best)
+    _assert_best_at_budgets(costs, everything, least, max(p for p, _ in everything))

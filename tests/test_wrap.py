@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -486,28 +487,32 @@ def test_verification_ends_with_the_least_peak_plan(monkeypatch: pytest.MonkeyPa
     assert peak <= budget
 
 
+def _small_densenet(blocks: tuple[int, ...]) -> tuple[nn.Module, Any, Plan, Any]:
+    """timm's DenseNet-121 layout with ``blocks`` layers per block, growth 8, 64 px, batch 2, wrapped as plain
+    PyTorch: the model, its batch, a copy of its plan and its cost model."""
+    import timm
+
+    from zoomem.planner.costs import CostModel
+
+    torch.manual_seed(0)
+    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=blocks)
+    adapter = zoomem.get_adapter(model)
+    batch = adapter.example_batch(model, 2, image_size=64)
+    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    return model, batch, copy.deepcopy(next(iter(handle.plans.values()))), CostModel.from_graph(handle.last_graph)
+
+
 def test_recomputing_a_unit_that_takes_a_list_holds_what_the_plan_predicts() -> None:
     """timm's DenseNet layers take the block's list of feature maps, which the block appends to after each call and
     concatenates as it returns. Recomputing one layer held more than predicted at every later point: the checkpoint
     kept the block's own list (every feature map appended after the call, 256 KiB a layer on DenseNet-121 at 64 px),
     the CPU generator's state it copies (5056 bytes a unit), and the layer's inputs through the code after the
     block, where plain PyTorch frees them and where that segment peaks. Now no point is predicted low (the head's
-    backward takes the last unit's recomputation, which the last unit's own point predicts). Some are predicted
-    high: a recomputed unit's inputs are counted until the backward of the first unit that takes them, though only
-    the recomputed one holds them (the program's points are linear in what each storage's holders decide)."""
-    import timm
-
-    from zoomem.planner.costs import CostModel
+    backward takes the last unit's recomputation, which the last unit's own point predicts)."""
     from zoomem.runtime.wrap import plan_points
 
-    torch.manual_seed(0)
-    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=(3, 3))
-    adapter = zoomem.get_adapter(model)
-    batch = adapter.example_batch(model, 2, image_size=64)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plain = next(iter(handle.plans.values()))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plain, costs = _small_densenet((3, 3))
     last = len(plain.units)
     for i in range(last):
         plan = copy.deepcopy(plain)
@@ -528,19 +533,9 @@ def test_the_code_after_a_recomputed_unit_runs_its_backward_before_the_unit_reco
     timeline measured the two backwards as one stretch, and a plan recomputing the layer was predicted to hold its
     saved tensors at that stretch's peak, in the transition's backward, where they are not back yet: 215552 bytes
     (10%) over the measured peak here. The code's backward is now a memory point of its own (``"after"``)."""
-    import timm
-
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    torch.manual_seed(0)
-    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=(4, 4))
-    adapter = zoomem.get_adapter(model)
-    batch = adapter.example_batch(model, 2, image_size=64)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _small_densenet((4, 4))
     last = [u.name for u in plan.units].index("features.denseblock1.denselayer4")
     plan.units[last].decision = Decision.RECOMPUTE
     measured = costs.fixed_bytes + max(got for _, _, got in plan_points(model, plan, costs, batch) if got is not None)
@@ -554,19 +549,9 @@ def test_an_input_several_units_take_is_held_only_until_the_recomputed_ones_back
     one layer keeps them until that layer's backward only, but the cost model counted each at every backward point
     down to the first layer that takes it (16-65 KiB high at each earlier layer's backward here); a backward point
     now counts a storage as held by the units whose backward has not run yet (``CostModel.prefix_terms``)."""
-    import timm
-
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    torch.manual_seed(0)
-    model = timm.create_model("densenet121", pretrained=False, num_classes=10, growth_rate=8, block_config=(4, 4))
-    adapter = zoomem.get_adapter(model)
-    batch = adapter.example_batch(model, 2, image_size=64)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    costs = CostModel.from_graph(handle.last_graph)
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
+    model, batch, plan, costs = _small_densenet((4, 4))
     plan.units[2].decision = Decision.RECOMPUTE  # denseblock1.denselayer3
     points = plan_points(model, plan, costs, batch)
     off = [(p.seg, int(v) - got) for p, v, got in points if p.phase == "backward" and got is not None
