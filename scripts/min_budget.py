@@ -6,7 +6,9 @@ Each repeat asks a fresh wrap for 5% of plain PyTorch's peak (far below what any
 feasible budget the error names, and wraps again at exactly that budget, as a user following the error's advice
 would: another trace, so other timings and possibly other plans. A row per repeat: the named budget, the plan the
 retry kept (predicted and measured peak, units recomputed) or the retry's own error. Models as
-``scripts/coverage.py`` builds them (64 px images, small text configs; random weights, nothing downloaded).
+``scripts/coverage.py`` builds them (``kind:name``: 64 px images, small text configs), or zoo ids at full size
+(``kind/name``, :func:`zoomem.zoo.build`, at ``--batch``: ``timm/densenet121 --batch 8`` is 224 px); random
+weights, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -18,16 +20,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+
 import zoomem  # noqa: E402
 from coverage import build  # noqa: E402
+from zoomem import zoo  # noqa: E402
 from zoomem.planner import Decision, InfeasibleBudgetError  # noqa: E402
 
 MIB = 2**20
 
 
-def repeat(spec: str, times: int) -> list[dict]:  # type: ignore[type-arg]
+def repeat(spec: str, times: int, batch_size: int = 8) -> list[dict]:  # type: ignore[type-arg]
     """One row per fresh trace of ``spec`` (see the module's docstring)."""
-    model, adapter, batch = build(spec, 64)
+    if ":" in spec:
+        model, adapter, batch = build(spec, 64)
+    else:
+        torch.manual_seed(0)
+        model, adapter = zoo.build(spec)
+        batch = adapter.example_batch(model, batch_size)
     model.train()
     initial = copy.deepcopy(model.state_dict())
     rows = []
@@ -58,14 +68,16 @@ def repeat(spec: str, times: int) -> list[dict]:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="+", help="model specs of scripts/coverage.py (timm:NAME, hf:NAME, pyg:NAME)")
+    parser.add_argument("models", nargs="+", help="model specs of scripts/coverage.py (timm:NAME, hf:NAME, pyg:NAME) "
+                        "or zoo ids (timm/resnet50, hf/bert-base-uncased, pyg/gcn)")
     parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="batch size of zoo ids (graphs: 1000 nodes each)")
     args = parser.parse_args(argv)
     print("| model | named minimum (bytes) | retry: predicted | measured | units recomputed |")
     print("|---|---:|---:|---:|---:|")
     failed = 0
     for spec in args.models:
-        for r in repeat(spec, args.repeat):
+        for r in repeat(spec, args.repeat, args.batch):
             if r["named"] is None:
                 print(f"| {spec} | (5% fits) | | | |")
             elif "retry_error" in r:
