@@ -20,7 +20,12 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import _get_autocast_kwargs, _infer_device_type, get_device_states, set_device_states
 
-__all__ = ["Chain", "Recipe"]
+__all__ = ["Chain", "Recipe", "bring_back"]
+
+
+def bring_back(obj: Any) -> Any:
+    """A dropped input's value (the last reader: the unit whose input it is), anything else as is."""
+    return obj.value(consume=True) if isinstance(obj, _Ref) else obj
 
 
 class Recipe:
@@ -126,10 +131,7 @@ class Chain:
         def pack(t: torch.Tensor) -> Any:
             return self.ref_of(t) or t
 
-        def unpack(obj: Any) -> torch.Tensor:
-            return obj.value(consume=True) if isinstance(obj, _Ref) else obj
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, bring_back):
             yield
 
     @staticmethod

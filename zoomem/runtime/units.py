@@ -5,7 +5,8 @@ masks match). Three traps it leaves to us, all handled here:
 - it keeps a unit's list and dict arguments by reference and calls the forward on them again in backward: a
   forward that fills its input list in place (timm's HRNet stages) or a caller that appends to it afterwards
   (timm's DenseNet blocks) would recompute from other tensors, silently: recomputation gets copies of the
-  containers as they were when the unit was called;
+  containers as they were when the unit was called (and a chained unit's dropped input inside one, as the
+  checkpoint's own arguments, as a reference that brings it back);
 - recomputing a unit that holds BatchNorm would update its running statistics a second time (timm's own
   checkpointing does): the recompute context restores the unit's buffers afterwards;
 - ``RECOMPUTE_CHEAP`` keeps the outputs of matmul/conv/attention ops through selective checkpointing
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..ops import op_spec
 from ..planner import EXPENSIVE_KINDS, Decision
+from .chain import Chain, bring_back
 
 __all__ = ["restore_buffers", "run_unit"]
 
@@ -80,16 +82,12 @@ class _Reenterable:
         return self.stack.pop().__exit__(*exc)
 
 
-def _copy(obj: Any) -> Any:
-    """New containers (lists, tuples, dicts, registered pytree nodes) around the same leaves."""
-    return tree_map(lambda leaf: leaf, obj)
-
-
 def _is_box(obj: Any) -> bool:
     return isinstance(obj, (list, tuple, dict))
 
 
-def _as_called(forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], tuple, dict]:
+def _as_called(forward: Callable[..., Any], args: tuple, kwargs: dict, chain: Chain | None = None
+               ) -> tuple[Callable[..., Any], tuple, dict]:
     """``forward`` and the arguments to hand the checkpoint for it: second and later calls (recomputation) get the
     containers among the arguments as they were now, fresh each time; the first call gets the caller's own, as
     plain PyTorch would.
@@ -98,18 +96,22 @@ def _as_called(forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[
     drop them: chained units), so those come from its call and the snapshot does not hold them. It keeps every
     other argument by reference until backward, so it gets ``None`` in each container's place: given the
     caller's own list, it held every feature map timm's DenseNet block appends to it after the call (on
-    DenseNet-121 at 64 px, 256 KiB a recomputed unit beyond the plan's prediction)."""
+    DenseNet-121 at 64 px, 256 KiB a recomputed unit beyond the plan's prediction). ``chain``: the unit drops its
+    input (``RECOMPUTE_CHAIN``); the snapshot holds a dropped one as a reference, as the checkpoint holds its own
+    arguments (a DenseNet block's last layer takes the previous layer's output in its list: kept, the plan's
+    3.2 MiB of it at batch 8 stayed held through the rest of the step)."""
     if not any(_is_box(a) for a in (*args, *kwargs.values())):
         return forward, args, kwargs
-    snapshot = (tuple(_copy(a) if _is_box(a) else None for a in args),
-                {key: _copy(v) for key, v in kwargs.items() if _is_box(v)})
+    hold = (lambda t: (chain.ref_of(t) or t) if isinstance(t, torch.Tensor) else t) if chain else (lambda t: t)
+    snapshot = (tuple(tree_map(hold, a) if _is_box(a) else None for a in args),
+                {key: tree_map(hold, v) for key, v in kwargs.items() if _is_box(v)})
     first = [(args, kwargs)]  # the caller's own containers, for the first call only
 
     def call(*a: Any, **k: Any) -> Any:
         if first:
             own_args, own_kwargs = first.pop()
             return forward(*own_args, **own_kwargs)
-        fresh_args, fresh_kwargs = _copy(snapshot)
+        fresh_args, fresh_kwargs = tree_map(bring_back, snapshot)
         a = tuple(fresh if _is_box(orig) else x for x, fresh, orig in zip(a, fresh_args, snapshot[0]))
         return forward(*a, **{**k, **fresh_kwargs})
 
@@ -125,15 +127,17 @@ def run_unit(
     args: tuple,
     kwargs: dict,
     replay: Callable[[], Any] | None = None,
+    chain: Chain | None = None,
 ) -> Any:
     """Call ``forward(*args, **kwargs)`` of ``module`` under ``decision``.
 
     ``replay()`` returns a context manager entered around recomputation, so that the recomputed forward sees
-    the same runtime state (the plan in force) as the original one did.
+    the same runtime state (the plan in force) as the original one did. ``chain``: the forward's registry of
+    the outputs a ``RECOMPUTE_CHAIN`` unit drops (its saved-tensor hooks in force around this call).
     """
     if decision == Decision.KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    forward, args, kwargs = _as_called(forward, args, kwargs)
+    forward, args, kwargs = _as_called(forward, args, kwargs, chain if decision == Decision.RECOMPUTE_CHAIN else None)
     return checkpoint(
         forward,
         *args,

@@ -1049,7 +1049,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             as_stored = stores_lossily()
             if chain is not None and decision == Decision.RECOMPUTE_CHAIN:
                 stack.enter_context(chain.dropping())
-            out = run_unit(unit.module, original, decision, args, kwargs, replay)
+            out = run_unit(unit.module, original, decision, args, kwargs, replay, chain)
         if recipe is not None:
             chain.register(out, recipe)  # type: ignore[union-attr]
         return out
