@@ -405,8 +405,8 @@ class CostModel:
             out.setdefault(k, []).append(members)
         return out
 
-    def _own_windows(self, aliases: dict[str, str]
-                     ) -> dict[tuple[str, int], list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]]:
+    def _own_windows(self, aliases: dict[str, str]) -> dict[
+            tuple[str, int], list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]]:
         """:attr:`own_windows` from :attr:`backward_windows`: walking a segment's backward, the node running holds
         dequantized copies of the lossy-eligible tensors it unpacks (a duplicate's unpacking is its base's), a
         tensor not yet unpacked for the last time is still packed, and one past that is gone (in the plain step
@@ -505,10 +505,10 @@ class CostModel:
 
     def stretches(self) -> dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]]:
         """The stretches of each unit's own forward (:attr:`own_forward`) and backward (:attr:`own_windows`) as
-        linear terms in the bits: (``"forward"``, ``"after"`` or ``"backward"``, segment) -> [(bytes below that phase's peak,
-        [(index into ``saved``, kind, rise)])], each term's bytes given by :meth:`term_bytes`. The bytes the
-        bits take off that phase are the least over its stretches: :meth:`compress_gain_rows` evaluates it, the
-        joint program bounds one variable by each stretch."""
+        linear terms in the bits: (``"forward"``, ``"after"`` or ``"backward"``, segment) -> [(bytes below that
+        phase's peak, [(index into ``saved``, kind, rise)])], each term's bytes given by :meth:`term_bytes`. The
+        bytes the bits take off that phase are the least over its stretches: :meth:`compress_gain_rows` evaluates
+        it, the joint program bounds one variable by each stretch."""
         out: dict[tuple[str, int], list[tuple[int, list[tuple[int, str, int]]]]] = {}
         for k, fstates in self.own_forward.items():
             out["forward", k] = [(d, [*((j, "free", 0) for j in free), *((j, "beside", 0) for j in held),

@@ -97,7 +97,8 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     windows: list[tuple[int, str, int, int, int, str]] = []
     if [(w[:2], w[3], w[5:]) for w in small.backward_windows] == [
             (w[:2], w[3], w[5:]) for w in large.backward_windows]:
-        windows = [(seg, key, by(a, b), node, by(ra, rb), *rest) for (seg, key, a, node, ra, *rest), (_, _, b, _, rb, *_)
+        windows = [(seg, key, by(a, b), node, by(ra, rb), *rest)
+                   for (seg, key, a, node, ra, *rest), (_, _, b, _, rb, *_)
                    in zip(small.backward_windows, large.backward_windows)]
     forward_windows: list[tuple[int, str, int, int]] = []
     if [w[:2] for w in small.forward_windows] == [w[:2] for w in large.forward_windows]:
