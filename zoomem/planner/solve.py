@@ -233,23 +233,23 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         if all(k in drop for k in window):
             prob += pulp.lpSum(drop[k] for k in window) <= MAX_CHAIN
     cheap = lambda seg: x.get((model.units[seg - 1], Decision.RECOMPUTE_CHEAP, False), 0)  # noqa: E731
-    h: dict[int, pulp.LpVariable | int] = {}
-    for s in model.storages:
-        if s.pinned:
-            continue
-        if s.savers & s.input_of:  # saved by a unit that also takes it as input: held whatever that unit does
-            h[s.sid] = 1  # (a constant, not h >= keep and h >= 1 - keep, whose LP relaxation frees half of it)
-            continue
-        v = h[s.sid] = pulp.LpVariable(f"h_{s.sid}", 0, 1)
-        for seg in s.savers:
-            prob += v >= keep(seg)
-        for seg in s.input_of:
-            prob += v >= 1 - keep(seg)
-        for seg in s.cheap_kept_by:
-            prob += v >= cheap(seg)
-        for seg in s.chained_by:
-            if seg in drop:
-                prob += v >= drop[seg]
+
+    def held_by(s, name: str, last: float = math.inf) -> pulp.LpVariable | int:  # type: ignore[no-untyped-def]
+        """Whether ``s`` is held by its holders at segments up to ``last``: at least each one's indicator."""
+        if any(seg <= last for seg in s.savers & s.input_of):  # saved by a unit that also takes it: held whatever
+            return 1  # it does (a constant, not v >= keep and v >= 1 - keep, whose LP relaxation frees half of it)
+        v = pulp.LpVariable(name, 0, 1)
+        for seg in (k for k in s.savers if k <= last):
+            prob.addConstraint(v >= keep(seg))
+        for seg in (k for k in s.input_of if k <= last):
+            prob.addConstraint(v >= 1 - keep(seg))
+        for seg in (k for k in s.cheap_kept_by if k <= last):
+            prob.addConstraint(v >= cheap(seg))
+        for seg in (k for k in s.chained_by if k <= last and k in drop):
+            prob.addConstraint(v >= drop[seg])
+        return v
+
+    h = {s.sid: held_by(s, f"h_{s.sid}") for s in model.storages if not s.pinned}
     q: dict[tuple[str, int], pulp.LpVariable] = {}
     seg_index = {u: i + 1 for i, u in enumerate(model.units)}
     if compress is not None:
@@ -283,8 +283,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     # during a unit's own forward and backward its tensors take off the least over the stretches of that phase
     # (CostModel.stretches): gain[phase, k] <= (below the phase's peak there) + (each term's bytes at its bits)
     gain: dict[tuple[str, int], pulp.LpVariable] = {}
+    phases = model.stretches() if q else {}
     if q:
-        for (phase, k), stretches in model.stretches().items():
+        for (phase, k), stretches in phases.items():
             terms = [[(j, kind, rise, b) for j, kind, rise in t for b in compress.bits
                       if (model.saved[j].key, b) in q] for _, t in stretches]
             if not any(terms):
@@ -323,28 +324,16 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     prefix = {(i, j): (last, base) for i, j, last, base in model.prefix_terms()}
     early: dict[tuple[int, int], pulp.LpVariable | int] = {}
 
-    def held_early(j: int, last: int) -> pulp.LpVariable | int:
-        if (j, last) not in early:
-            s = model.storages[j]
-            if any(seg <= last for seg in s.savers & s.input_of):
-                early[j, last] = 1
-            else:
-                v = early[j, last] = pulp.LpVariable(f"a_{j}_{last}", 0, 1)
-                for seg in (k for k in s.savers if k <= last):
-                    prob.addConstraint(v >= keep(seg))
-                for seg in (k for k in s.input_of if k <= last):
-                    prob.addConstraint(v >= 1 - keep(seg))
-                for seg in (k for k in s.cheap_kept_by if k <= last):
-                    prob.addConstraint(v >= cheap(seg))
-                for seg in (k for k in s.chained_by if k <= last and k in drop):
-                    prob.addConstraint(v >= drop[seg])
-        return early[j, last]
-
     def held_term(s, i):  # type: ignore[no-untyped-def]
         if s.sid in chain_of:
             return chain_held(s, i) - int(s.base_held)
-        last, base = prefix.get((i, index[id(s)]), (None, s.base_held))
-        return (h[s.sid] if last is None else held_early(index[id(s)], last)) - int(base)
+        j = index[id(s)]
+        last, base = prefix.get((i, j), (None, s.base_held))
+        if last is None:
+            return h[s.sid] - int(base)
+        if (j, last) not in early:
+            early[j, last] = held_by(s, f"a_{j}_{last}", last)
+        return early[j, last] - int(base)
 
     # the compact forms outside the units: one plan-wide switch, a measured gain per point; on in compression
     # modes (their trace measured with them on), else the program's choice (on and off: one-hot, as unit modes)
@@ -357,8 +346,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             outside[1].setInitialValue(int(OUTSIDE_UNITS not in warm[1]))
     switch = outside[0] if isinstance(outside, tuple) else int(outside)
     peak = pulp.LpVariable("peak", 0) if limit is None else None
-    phases = model.stretches() if q else {}  # a lossy tensor counts packed where its unit's backward starts
-    at_start = [model.packed_at_start(p, phases) for p in model.points]
+    at_start = [model.packed_at_start(p, phases) for p in model.points]  # lossy tensors all packed there
     gone = dict(zip((s.key for s in model.saved), model.gone_at_start()))
     for i, p in enumerate(model.points):
         expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
