@@ -8,7 +8,8 @@ peak, lossless or ``compress="auto"``). The model is wrapped once (``level="L2"`
 cost model (a segment's forward peak, backward peak, and the bytes live where its backward starts; where the code
 after a unit saves tensors, as timm's DenseNet transitions do, that code's backward peak apart, ``after``) is
 printed beside the measured one. A recomputed unit's own backward is invisible to the measuring hooks (its
-checkpoint unpacks it), so its ``after`` point shows n/a and its backward point measures both. Points are bytes above the step's start (parameters, optimizer state and batch apart).
+checkpoint unpacks it), so its ``after`` point shows n/a and its backward point measures both. Points are bytes
+above the step's start (parameters, optimizer state and batch apart).
 
 A recomputed unit's recompute point is predicted with its recomputation's rise, but measured where its backward
 segment starts, before the first unpacking runs that recomputation (the rise shows in the backward point): there

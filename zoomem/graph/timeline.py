@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -186,6 +186,7 @@ def _measure(
             h.remove()
     report = meter.report
     base = report.baseline_bytes
+    first = len(windows) if windows is not None else 0
     out: list[SegmentStat] = []
     prev_end, prev_t = base, start
     current: list[Any] | None = None  # the segment being assembled from its stretches: seg, phase, start, peak, end
@@ -203,4 +204,10 @@ def _measure(
         if closes:
             out.append(SegmentStat(*current, t - prev_t))
             current, prev_t = None, t
+    # a unit that saved nothing has no backward of its own to come after: its code's is the segment's backward
+    own = {st.seg for st in out if st.phase == "backward"}
+    out = [replace(st, phase="backward") if st.phase == "after" and st.seg not in own else st for st in out]
+    if windows is not None:
+        windows[first:] = [(*w[:5], "backward") if w[5] == "after" and w[0] not in own else w
+                           for w in windows[first:]]
     return out

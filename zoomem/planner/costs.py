@@ -435,9 +435,6 @@ class CostModel:
             top: dict[str, int] = {}
             for _, peak, _, _, phase in walk:
                 top[phase] = max(top.get(phase, peak), peak)
-            if "backward" not in top:  # the unit saved nothing: one point, as _points makes it
-                walk = [(*w[:4], "backward") for w in walk]
-                top = {"backward": max(top.values())}
             own = [index.get(aliases.get(key, key)) for key, _, _, _, _ in walk]
             own = [j if j is not None and j in mine else None for j in own]
             unpacks: dict[int, set[int]] = {}  # node -> the segment's eligible tensors it unpacks
@@ -920,7 +917,8 @@ def _compact_savings(names: list[str], seg_of_unit: dict[str, int], base: list, 
 def _points(timeline: list, head: int) -> list[_Point]:
     """The memory points of a measured timeline: per segment, its forward peak, its backward peak, and the bytes
     live when its backward starts (where a recomputation runs); where the code after the unit saved tensors and
-    the unit did too, the peak of that code's backward (``"after"``), which runs first, apart."""
+    the unit did too, the peak of that code's backward (``"after"``, :class:`~zoomem.graph.timeline.SegmentStat`),
+    which runs first, apart."""
     points: list[_Point] = []
     for seg in range(head + 1):
         f = [t for t in timeline if t.seg == seg and t.phase == "forward"]
@@ -928,10 +926,8 @@ def _points(timeline: list, head: int) -> list[_Point]:
         b = [t for t in timeline if t.seg == seg and t.phase == "backward"]
         if f:
             points.append(_Point("forward", seg, max(t.peak_bytes for t in f)))
-        if a and b:
+        if a:
             points.append(_Point("after", seg, max(t.peak_bytes for t in a)))
-        elif a:
-            b = a
         if b:
             points.append(_Point("backward", seg, max(t.peak_bytes for t in b)))
             points.append(_Point("recompute", seg, b[0].start_bytes))
