@@ -623,7 +623,7 @@ def test_create_graph_keeps_first_order_bitwise(case: str) -> None:
 def test_impls_for_and_applies() -> None:
     assert [i.name for i in impls_for(nn.ReLU())] == ["relu_bitmask"]
     assert [i.name for i in impls_for(nn.ReLU6())] == ["hardtanh_bitmask"]
-    assert [i.name for i in impls_for(nn.BatchNorm2d(4))] == ["batchnorm_output"]
+    assert [i.name for i in impls_for(nn.BatchNorm2d(4))] == ["batchnorm_output", "batchnorm_rebuilt_output"]
     assert [i.name for i in impls_for(timm_bn_act("relu"))] == ["batchnorm_act_output"]
     from timm.layers import BatchNormAct2d
 

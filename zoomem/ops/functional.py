@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 from typing import Any, Iterator, Sequence
@@ -75,6 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from .packbits import bool_planes, pack_bool, unpack_bool
+from .rebuild import extend, rebuild_of
 from .routing import RoutingMode
 
 __all__ = [
@@ -308,7 +310,22 @@ def _bitmask_act(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) 
     if inplace and saves_output(x):
         # x is saved by an output-activated norm: overwriting it would break that norm's backward
         inplace = False
-    return _BitmaskActivation.apply(x, kind, a, b, inplace)
+    source = rebuild_of(x)  # before an in-place run changes its version
+    out = _BitmaskActivation.apply(x, kind, a, b, inplace)
+    if source is not None:  # the output is as rebuildable as the input: the same op on the rebuilt input
+        extend(source, out, functools.partial(_act_in_place, kind, a, b))
+    return out
+
+
+def _act_in_place(kind: str, a: float, b: float, t: torch.Tensor) -> torch.Tensor:
+    """The value _BitmaskActivation computes, in place on a fresh tensor (the same kernels, in-place variant)."""
+    if kind == "relu":
+        return torch.relu_(t)
+    if kind == "threshold":
+        return F.threshold(t, a, b, inplace=True)
+    if kind == "hardtanh":
+        return F.hardtanh(t, a, b, inplace=True)
+    return F.leaky_relu(t, a, inplace=True)
 
 
 def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -1058,18 +1075,19 @@ class _LinearWeightGrad(torch.autograd.Function):
     input, which autograd frees right after, before grad_input is allocated."""
 
     @staticmethod
-    def forward(ctx, y2, x2, weight, bias):  # type: ignore[override]
+    def forward(ctx, y2, x2, weight, bias, rebuild, *sources):  # type: ignore[override]
         ctx.mark_dirty(y2)  # no alias/view: y2 keeps its storage and is simply re-owned by this node
-        ctx.save_for_backward(x2 if ctx.needs_input_grad[2] else None)
+        _save_input(ctx, x2 if ctx.needs_input_grad[2] else None, rebuild, sources)
         ctx.has_bias = bias is not None
         return y2
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (x2,) = ctx.saved_tensors
+        x2, _ = _saved_input(ctx)
         gw = grad.t().mm(x2) if x2 is not None else None
+        del x2  # a rebuilt input goes now
         gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return grad, None, gw, gb
+        return (grad, None, gw, gb, None) + (None,) * ctx.sources
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -1095,7 +1113,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     y2 = _LinearInputGrad.apply(x2, weight, bias, fused_bias)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        y2 = _LinearWeightGrad.apply(y2, x2, weight, bias)
+        rebuild = rebuild_of(x2) if weight.requires_grad else None
+        sources = rebuild.inputs if rebuild is not None else ()
+        y2 = _LinearWeightGrad.apply(y2, x2, weight, bias, rebuild and rebuild.fn, *sources)
     return y2 if x.dim() == 2 else y2.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -1129,17 +1149,17 @@ class _Conv2dInputGrad(torch.autograd.Function):
 
 class _Conv2dWeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, x, weight, bias, stride, padding, dilation, groups):  # type: ignore[override]
+    def forward(ctx, y, x, weight, bias, stride, padding, dilation, groups, rebuild, *sources):  # type: ignore[override]
         ctx.mark_dirty(y)
         ctx.args = (list(stride), list(padding), list(dilation), groups)
         ctx.bias_sizes = [bias.shape[0]] if bias is not None else None
         ctx.in_shape = x.shape
-        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, weight)
+        _save_input(ctx, x if ctx.needs_input_grad[2] else None, rebuild, sources, weight)
         return y
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
+        x, (weight,) = _saved_input(ctx)
         stride, padding, dilation, groups = ctx.args
         need_w = x is not None
         need_b = ctx.bias_sizes is not None and ctx.needs_input_grad[3]
@@ -1151,7 +1171,7 @@ class _Conv2dWeightGrad(torch.autograd.Function):
                 grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0, 0], groups,
                 [False, need_w, need_b],
             )
-        return grad, None, gw, gb, None, None, None, None
+        return (grad, None, gw, gb, None, None, None, None, None) + (None,) * ctx.sources
 
 
 def conv2d(
@@ -1176,7 +1196,25 @@ def conv2d(
     y = _Conv2dInputGrad.apply(x, weight, bias, s, p, d, groups)
     if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return y
-    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups)
+    rebuild = rebuild_of(x) if weight.requires_grad else None
+    sources = rebuild.inputs if rebuild is not None else ()
+    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups, rebuild and rebuild.fn, *sources)
+
+
+def _save_input(ctx: Any, x: torch.Tensor | None, rebuild: Any, sources: tuple, *more: torch.Tensor) -> None:
+    """Save the weight gradient's input ``x`` and ``more``, or, where ``x`` is rebuildable (:mod:`.rebuild`), the
+    recipe's ``sources`` in its place (saved anyway by the layers that produced ``x``)."""
+    ctx.rebuild = rebuild if x is not None else None
+    ctx.sources = len(sources)  # Function inputs, each with a None gradient
+    ctx.save_for_backward(*((x,) if ctx.rebuild is None else sources), *more)
+    ctx.more = len(more)
+
+
+def _saved_input(ctx: Any) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """What :func:`_save_input` saved: the input (rebuilt if need be) and the rest."""
+    saved = ctx.saved_tensors
+    head, more = saved[: len(saved) - ctx.more], saved[len(saved) - ctx.more:]
+    return (head[0] if ctx.rebuild is None else ctx.rebuild(*head)), more
 
 
 # ----------------------------------------------------------------------------------------------------------------

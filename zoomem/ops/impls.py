@@ -30,6 +30,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
 from .loss import record_head, routed_forward, tied_embedding
+from .rebuild import register as register_rebuild
+from .rebuild import running as rebuild_scope
 
 __all__ = [
     "Impl",
@@ -166,9 +168,10 @@ def dispatch_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *
     """Run ``impl`` in training when something needs a gradient, else the module's ``original`` forward."""
     if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
         return original(*args, **kwargs)
-    if impl.wraps:
-        return impl.forward(module, original, *args, **kwargs)
-    return impl.forward(module, *args, **kwargs)
+    with rebuild_scope(module):
+        if impl.wraps:
+            return impl.forward(module, original, *args, **kwargs)
+        return impl.forward(module, *args, **kwargs)
 
 
 def install_impl(module: nn.Module, impl: Impl | str) -> Callable[[], None]:
@@ -303,6 +306,22 @@ def _bn_common(m: _BatchNorm, x: torch.Tensor, act: str, slope: float) -> torch.
 def _bn_forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     m._check_input_dim(input)
     return _bn_common(m, input, "identity", 0.0)
+
+
+def _bn_rebuild_forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """The stock forward, its output registered as rebuildable from the input the stock backward saves anyway."""
+    out = _BatchNorm.forward(m, input)
+    running = m.running_mean is not None and m.track_running_stats  # the kernel path the forward took
+    eps = m.eps
+
+    def again(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        # batch statistics again, into throwaway running buffers (the output does not read them)
+        stats = (torch.zeros(x.shape[1], dtype=m.running_mean.dtype, device=x.device),
+                 torch.ones(x.shape[1], dtype=m.running_var.dtype, device=x.device)) if running else (None, None)
+        return torch.nn.functional.batch_norm(x, *stats, weight, bias, True, 0.0, eps)
+
+    register_rebuild(out, (input, m.weight, m.bias), again)
+    return out
 
 
 def _initialized(m: nn.Module) -> bool:
@@ -487,6 +506,12 @@ def _lm_loss_applies(m: nn.Module) -> bool:
         return False
 
 
+REBUILT_OUTPUT = frozenset({"batchnorm_rebuilt_output"})
+"""Implementations whose output consumers may rebuild (:mod:`zoomem.ops.rebuild`)."""
+PASSES_REBUILD = frozenset({"relu_bitmask", "hardtanh_bitmask", "leaky_relu_bitmask", "threshold_bitmask"})
+"""Implementations whose output is as rebuildable as their input (they extend the recipe)."""
+
+
 def _register_builtin() -> None:
     for impl in (
         Impl("relu_bitmask", (nn.ReLU,), _relu_forward, _own_forward(nn.ReLU),
@@ -505,6 +530,11 @@ def _register_builtin() -> None:
              "BatchNorm1d/2d/3d saving its output + 1/std instead of its input (the next layer saves the output "
              "anyway). Running stats exact; gradients ~1e-6 relative in fp32. Falls back to saving the input when "
              "some gamma == 0. Its output must not be modified in place later (see find_inplace_writers)."),
+        Impl("batchnorm_rebuilt_output", (_BatchNorm,), _bn_rebuild_forward, _bn_applies,
+             "BatchNorm1d/2d/3d run as is (saving its input), its output registered as rebuildable from that input: "
+             "zoomem's ReLU-family activations pass that on, and zoomem's conv2d/linear after them save nothing new "
+             "and rebuild their input (batch norm + activation again) for the weight gradient. One tensor per "
+             "conv-BN-ReLU instead of two (MONeT). Bitwise gradients. Safe where the output is modified in place."),
         Impl("batchnorm_act_output", (nn.BatchNorm2d,), _timm_bn_act_forward, _timm_bn_act_applies,
              "timm BatchNormAct2d (no drop): identity and leaky save the activated output (shared with the next "
              "layer); ReLU saves the pre-activation output instead of the input; other activations (SiLU, "

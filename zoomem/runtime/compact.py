@@ -2,8 +2,8 @@
 
 For every module inside a unit the first registered :class:`~zoomem.ops.Impl` that applies is a candidate,
 except output-saving ones (BatchNorm/LayerNorm/RMSNorm reconstructing their input from their output) on a
-module whose output is later overwritten in place (``x += shortcut``): there they would be wrong, so they are
-left out. A unit's candidates are switched on together when its plan says ``compact``; the planner knows
+module whose output is later overwritten in place (``x += shortcut``, an in-place ReLU): there they would be
+wrong, so the next one that applies is taken (BatchNorm's ``batchnorm_rebuilt_output``). A unit's candidates are switched on together when its plan says ``compact``; the planner knows
 what that saves because the runtime measured the step's timeline once with all of them on.
 """
 
@@ -17,7 +17,9 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, find_inplace_writers, impls_for, install_impl
+from ..ops.impls import PASSES_REBUILD, REBUILT_OUTPUT
 from ..ops.impls import dispatch_impl, set_attribute, with_setup
+from ..ops.rebuild import set_owner
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
@@ -46,7 +48,7 @@ def choose_impls(
     conv) is skipped: one switch per module, or a recomputation could run another form than its forward. With
     ``outside``, modules that only code outside every unit runs get their own switch, :data:`OUTSIDE_UNITS`.
     """
-    candidates: dict[str, list[tuple[str, nn.Module, Impl]]] = {}
+    candidates: dict[str, list[tuple[str, nn.Module, list[Impl]]]] = {}
     owners: dict[int, set[str]] = {}  # a module shared by two units, or also used outside them, is left alone
     for path, mod in model.named_modules(remove_duplicate=False):
         owner = next((u.name for u in units if path == u.name or path.startswith(u.name + ".")), "")
@@ -58,7 +60,7 @@ def choose_impls(
                 impls = [i for i in impls if i.wraps]
             if impls:
                 full = f"{unit.name}.{name}" if unit.name else name
-                candidates.setdefault(unit.name, []).append((full, mod, impls[0]))
+                candidates.setdefault(unit.name, []).append((full, mod, impls))
     if outside:
         for path, mod in model.named_modules():
             if owners.get(id(mod)) != {""}:
@@ -67,14 +69,23 @@ def choose_impls(
             if mod is model:  # its forward is zoomem's: only implementations that wrap it (zoomem's forward calls
                 impls = [i for i in impls if i.wraps]  # them, see ROOT) or replace another attribute
             if impls:
-                candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls[0]))
+                candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls))
     writers: dict[str, list[str]] = {}
-    if any(impl.name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impl in pairs):
+    if any(impls[0].name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impls in pairs):
         writers = find_inplace_writers(model, *batch.args, **batch.kwargs)
-    return {
-        unit: [(mod, impl) for full, mod, impl in pairs if not (impl.name in OUTPUT_SAVING and full in writers)]
-        for unit, pairs in candidates.items()
-    }
+    chosen: dict[str, list[tuple[nn.Module, Impl]]] = {}
+    for unit, pairs in candidates.items():
+        first = {full: next((i for i in impls if not (i.name in OUTPUT_SAVING and full in writers)), None)
+                 for full, _, impls in pairs}  # the first that is safe here
+        chosen[unit] = []
+        for full, mod, _ in pairs:
+            impl = first[full]
+            if impl is None or (impl.name in REBUILT_OUTPUT and not all(
+                    first.get(w) is not None and first[w].name in PASSES_REBUILD for w in writers.get(full, ["-"]))):
+                continue  # a rebuildable output only where an activation that passes it on runs in place on it
+            chosen[unit].append((mod, impl))
+            set_owner(mod, unit)  # tensors one of its forms makes rebuildable are rebuilt within the unit
+    return chosen
 
 
 def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[], None]:
