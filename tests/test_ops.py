@@ -1114,3 +1114,97 @@ def test_layer_norm_at_saved_statistics_is_the_stock_op() -> None:
     (jv,) = torch.autograd.grad(gw, x, v)
     rstd = (x.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
     assert torch.allclose(jv, g * rstd * v, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# BatchNorm's output rebuilt by the conv after it (MONeT's BN + ReLU form)
+
+
+def _conv_bn_relu(channels: int = 8, inplace: bool = True, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=inplace),
+                      nn.Conv2d(channels, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace),
+                      nn.Conv2d(4, 2, 1)).to(dtype)
+    _rand_norm_params(m)
+    return m
+
+
+def _rebuilding(m: nn.Sequential) -> list[Callable[[], None]]:
+    names = {nn.Conv2d: "conv2d_split_backward", nn.BatchNorm2d: "batchnorm_rebuilt_output", nn.ReLU: "relu_bitmask"}
+    return [install_impl(mod, names[type(mod)]) for mod in m]
+
+
+def test_batchnorm_rebuilt_output_is_bitwise_and_the_conv_saves_nothing_new() -> None:
+    stock = _conv_bn_relu()
+    ours = copy.deepcopy(stock)
+    _rebuilding(ours)
+    x0 = torch.randn(4, 3, 16, 16)
+    res, held = [], []
+    for model in (stock, ours):
+        x = x0.clone().requires_grad_(True)
+        y, nbytes = saved_bytes(lambda: model(x), model)
+        held.append(nbytes)
+        y.square().sum().backward()
+        res.append([y, x.grad, *(p.grad for p in model.parameters()), *model.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
+    # the two ReLU outputs (4x8x16x16 and 4x4x16x16 floats) are not held: 1-bit masks are
+    relu_outputs = 4 * (8 + 4) * 16 * 16 * 4
+    assert held[0] - held[1] == relu_outputs - relu_outputs // 32
+
+
+def test_batchnorm_rebuilt_output_second_derivatives() -> None:
+    m = _conv_bn_relu(4, dtype=torch.float64)
+    _rebuilding(m)
+    x = _grid(2, 3, 5, 5).requires_grad_(True)
+    w = m[3].weight.detach().clone().requires_grad_(True)  # the conv that rebuilds its input for this gradient
+    fn = lambda x, w: torch.func.functional_call(m, {"3.weight": w}, (x,))  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x, w), eps=1e-6, atol=1e-5)
+
+
+def test_batchnorm_rebuilt_output_is_not_passed_on_after_an_in_place_change_by_other_code() -> None:
+    from zoomem.ops import rebuild
+
+    bn, conv = nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+    install_impl(bn, "batchnorm_rebuilt_output")
+    install_impl(conv, "conv2d_split_backward")
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    y = bn(x)
+    assert rebuild.rebuild_of(y) is not None
+    y += 1.0  # x += shortcut: the recipe would give the old values
+    assert rebuild.rebuild_of(y) is None
+    ref = y.detach().clone()
+    out = conv(y)
+    out.sum().backward()  # the conv saved y itself: its weight gradient reads the changed values
+    expected = ref.sum((0, 2, 3)).view(1, 4, 1, 1).expand(2, 4, 1, 1)
+    assert torch.allclose(conv.weight.grad, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_batchnorm_rebuilt_output_inside_a_checkpoint_fed_from_outside() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from zoomem.ops import rebuild
+
+    stem, body = _conv_bn_relu(), _conv_bn_relu()
+    body[0] = nn.Conv2d(2, 8, 3, padding=1)  # takes the stem's output
+    stem = nn.Sequential(*stem[:3])  # conv, BN, ReLU: its output is rebuildable in the stem's unit
+    body = nn.Sequential(*body[:4])  # its first conv takes it: the checkpoint recomputes it from its own copy
+    ref_stem, ref_body = copy.deepcopy(stem), copy.deepcopy(body)
+    stem[0] = nn.Conv2d(3, 2, 3, padding=1)
+    ref_stem[0] = copy.deepcopy(stem[0])
+    stem[1], ref_stem[1] = nn.BatchNorm2d(2), nn.BatchNorm2d(2)
+    for mod in stem:
+        rebuild.set_owner(mod, "stem")
+    for mod in body:
+        rebuild.set_owner(mod, "body")
+    _rebuilding(stem)
+    _rebuilding(body)
+    x0 = torch.randn(2, 3, 8, 8)
+    grads = []
+    for s, b in ((ref_stem, ref_body), (stem, body)):
+        x = x0.clone().requires_grad_(True)
+        z = s(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, torch.clone):  # the recomputation gets another
+            out = checkpoint(b, z, use_reentrant=False)  # tensor, as where zoomem's chain brings an input back
+        out.square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in (*s.parameters(), *b.parameters()))])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
