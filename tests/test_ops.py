@@ -624,7 +624,7 @@ def test_impls_for_and_applies() -> None:
     assert [i.name for i in impls_for(nn.ReLU())] == ["relu_bitmask"]
     assert [i.name for i in impls_for(nn.ReLU6())] == ["hardtanh_bitmask"]
     assert [i.name for i in impls_for(nn.BatchNorm2d(4))] == ["batchnorm_output", "batchnorm_rebuilt_output"]
-    assert [i.name for i in impls_for(timm_bn_act("relu"))] == ["batchnorm_act_output"]
+    assert [i.name for i in impls_for(timm_bn_act("relu"))] == ["batchnorm_act_rebuilt_output", "batchnorm_act_output"]
     from timm.layers import BatchNormAct2d
 
     # any activation runs after the identity op (it saves the norm's output as its input); a drop keeps the stock op
@@ -789,7 +789,7 @@ def test_timm_resnet18_gradients_match(everything: bool) -> None:
 @pytest.mark.parametrize(
     "model_id, impls",
     [
-        ("timm/resnet18", {"relu_bitmask", "batchnorm_output", "conv2d_split_backward"}),
+        ("timm/resnet18", {"relu_bitmask", "batchnorm_rebuilt_output", "conv2d_split_backward"}),
         ("hf/bert-base-uncased", {"dropout_bitmask", "layernorm_output", "linear_split_backward",
                                   "attention_recompute"}),
         ("hf/gpt2", {"attention_recompute", "pointwise_recompute", "cross_entropy_logits", "embedding_tied_grad"}),
@@ -1208,3 +1208,25 @@ def test_batchnorm_rebuilt_output_inside_a_checkpoint_fed_from_outside() -> None
         out.square().sum().backward()
         grads.append([x.grad, *(p.grad for p in (*s.parameters(), *b.parameters()))])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky"])
+def test_timm_batchnorm_act_rebuilt_output_is_bitwise_and_the_conv_saves_nothing_new(act: str) -> None:
+    """DenseNet's layers and ResNet-v2's blocks: timm's fused BatchNorm + ReLU, then a conv."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), timm_bn_act(act), nn.Conv2d(8, 2, 3, padding=1))
+    _rand_norm_params(stock)
+    ours = copy.deepcopy(stock)
+    install_impl(ours[1], "batchnorm_act_rebuilt_output")
+    install_impl(ours[2], "conv2d_split_backward")
+    x0 = torch.randn(4, 3, 16, 16)
+    res, held = [], []
+    for model in (stock, ours):
+        x = x0.clone().requires_grad_(True)
+        y, nbytes = saved_bytes(lambda: model(x), model)
+        held.append(nbytes)
+        y.square().sum().backward()
+        res.append([y, x.grad, *(p.grad for p in model.parameters()), *model.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
+    activated = 4 * 8 * 16 * 16 * 4  # held as a 1-bit mask
+    assert held[0] - held[1] == activated - activated // 32

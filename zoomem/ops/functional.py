@@ -18,7 +18,11 @@ rms_norm (HF Llama form)    its output + per-row 1/rms (fp32 input copy      rea
 max_pool2d                  uint8 window offsets (input + int64 indices)     bitwise
 linear / conv2d             the same tensors, but backward computes the      bitwise
                             weight gradient first and frees the input
-                            before the input gradient is allocated
+                            before the input gradient is allocated; an
+                            input registered as rebuildable (BatchNorm's
+                            output through these activations,
+                            :mod:`.rebuild`) is not saved: the tensors its
+                            recipe reads, saved anyway, are
 recompute_pointwise         its input (2-4 intermediates of a multi-op       bitwise; one more evaluation
                             activation such as GPT-2's gelu_new)             in backward
 ==========================  ===============================================  ==================================

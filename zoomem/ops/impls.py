@@ -44,6 +44,8 @@ __all__ = [
     "installed_impl",
     "set_attribute",
     "find_inplace_writers",
+    "scan_outputs",
+    "OutputUses",
 ]
 
 logger = logging.getLogger(__name__)
@@ -383,6 +385,20 @@ def _timm_bn_act_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             after.inplace = True
 
 
+def _timm_bn_act_rebuild_applies(m: nn.Module) -> bool:
+    kind = _bn_act_kind(m) if _timm_bn_act_applies(m) else None
+    return kind is not None and kind[0] in ("relu", "leaky_relu")
+
+
+def _timm_bn_act_rebuild_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's BatchNormAct2d with ReLU / LeakyReLU as its own forward computes it (its batch norm is torch's, cut and
+    pasted), the activation saving a mask and the output rebuildable from the input."""
+    kind = _bn_act_kind(m)
+    assert kind is not None  # checked by applies()
+    y = _bn_rebuild_forward(m, x)
+    return Zf.leaky_relu(y, kind[1], inplace=True) if kind[0] == "leaky_relu" else Zf.relu(y, inplace=True)
+
+
 def _ln_forward(m: nn.LayerNorm, input: torch.Tensor) -> torch.Tensor:
     return Zf.layer_norm(input, m.normalized_shape, m.weight, m.bias, m.eps)
 
@@ -535,6 +551,11 @@ def _register_builtin() -> None:
              "zoomem's ReLU-family activations pass that on, and zoomem's conv2d/linear after them save nothing new "
              "and rebuild their input (batch norm + activation again) for the weight gradient. One tensor per "
              "conv-BN-ReLU instead of two (MONeT). Bitwise gradients. Safe where the output is modified in place."),
+        Impl("batchnorm_act_rebuilt_output", (nn.BatchNorm2d,), _timm_bn_act_rebuild_forward,
+             _timm_bn_act_rebuild_applies,
+             "timm BatchNormAct2d with ReLU or LeakyReLU (no drop): the norm saves its input as the stock op does, the "
+             "activation a 1-bit mask, and the output is rebuildable (batchnorm_rebuilt_output): DenseNet's and "
+             "ResNet-v2's conv after it saves nothing new. Bitwise gradients."),
         Impl("batchnorm_act_output", (nn.BatchNorm2d,), _timm_bn_act_forward, _timm_bn_act_applies,
              "timm BatchNormAct2d (no drop): identity and leaky save the activated output (shared with the next "
              "layer); ReLU saves the pre-activation output instead of the input; other activations (SiLU, "
@@ -594,6 +615,17 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+@dataclass(frozen=True)
+class OutputUses:
+    """What one training forward does with each module's output (:func:`scan_outputs`)."""
+
+    writers: dict[str, list[str]]
+    """``{module name: [writer, ...]}`` for outputs overwritten in place later, a writer being a leaf module's name
+    or ``"<code>"``."""
+    saved: frozenset[str]
+    """Modules whose output some op saves for backward (the module's own ops included)."""
+
+
 def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, list[str]]:
     """Which module outputs are overwritten in place later in one training forward, and by whom.
 
@@ -611,10 +643,23 @@ def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[st
     >>> find_inplace_writers(m, torch.randn(3, 4))
     {'0': ['1']}
     """
+    return scan_outputs(model, *args, **kwargs).writers
+
+
+def scan_outputs(model: nn.Module, *args: Any, **kwargs: Any) -> OutputUses:
+    """:func:`find_inplace_writers`, and which module outputs autograd saves: an output-saving implementation
+    trades its input for its output, which gains only where another op saves that output too (a ResNet shortcut's
+    BatchNorm feeds an addition, which saves nothing: there it would add its backward's temporary for nothing).
+
+    >>> uses = scan_outputs(nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2)), torch.randn(3, 4))
+    >>> sorted(uses.saved)  # the Linear saves the first BatchNorm's output, the second the Linear's
+    ['0', '1']
+    """
     names = {m: n for n, m in model.named_modules()}
-    tracked: list[tuple[str, torch.Tensor]] = []
+    tracked: list[tuple[str, torch.Tensor]] = []  # every output stays alive: its storage is its identity here
     seen: list[int] = []
     writers: dict[str, list[str]] = {}
+    saved: set[int] = set()
 
     def scan(who: str) -> None:
         for i, (name, t) in enumerate(tracked):
@@ -635,6 +680,10 @@ def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[st
             tracked.append((names[mod], t))
             seen.append(t._version)
 
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
     handles = []
     for mod in names:
         handles.append(mod.register_forward_pre_hook(pre))
@@ -645,7 +694,7 @@ def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[st
     was_training = model.training
     try:
         model.train()
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(*args, **kwargs)
         scan("<code>")
     finally:
@@ -658,4 +707,5 @@ def find_inplace_writers(model: nn.Module, *args: Any, **kwargs: Any) -> dict[st
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return {k: v for k, v in writers.items() if v}
+    return OutputUses({k: v for k, v in writers.items() if v},
+                      frozenset(name for name, t in tracked if t.untyped_storage().data_ptr() in saved))

@@ -2,8 +2,10 @@
 
 For every module inside a unit the first registered :class:`~zoomem.ops.Impl` that applies is a candidate,
 except output-saving ones (BatchNorm/LayerNorm/RMSNorm reconstructing their input from their output) on a
-module whose output is later overwritten in place (``x += shortcut``, an in-place ReLU): there they would be
-wrong, so the next one that applies is taken (BatchNorm's ``batchnorm_rebuilt_output``). A unit's candidates are switched on together when its plan says ``compact``; the planner knows
+module whose output is later overwritten in place (``x += shortcut``, an in-place ReLU), where they would be
+wrong, or whose output no op saves (a shortcut's BatchNorm feeding an addition), where they would trade the input
+for an output held as long and add their backward's temporary: there the next one that applies is taken
+(BatchNorm's ``batchnorm_rebuilt_output``, where zoomem's activation overwrites the output in place). A unit's candidates are switched on together when its plan says ``compact``; the planner knows
 what that saves because the runtime measured the step's timeline once with all of them on.
 """
 
@@ -16,8 +18,8 @@ from torch import nn
 
 from ..adapters import Unit
 from ..batch import Batch
-from ..ops import Impl, find_inplace_writers, impls_for, install_impl
-from ..ops.impls import PASSES_REBUILD, REBUILT_OUTPUT
+from ..ops import Impl, impls_for, install_impl
+from ..ops.impls import PASSES_REBUILD, REBUILT_OUTPUT, OutputUses, scan_outputs
 from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..ops.rebuild import set_owner
 from ..planner import OUTSIDE_UNITS
@@ -70,13 +72,17 @@ def choose_impls(
                 impls = [i for i in impls if i.wraps]  # them, see ROOT) or replace another attribute
             if impls:
                 candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls))
-    writers: dict[str, list[str]] = {}
+    uses = OutputUses({}, frozenset())
     if any(impls[0].name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impls in pairs):
-        writers = find_inplace_writers(model, *batch.args, **batch.kwargs)
+        uses = scan_outputs(model, *batch.args, **batch.kwargs)
+    writers = uses.writers
+
+    def usable(full: str, impl: Impl) -> bool:  # safe, and saving something, here
+        return impl.name not in OUTPUT_SAVING or (full not in writers and full in uses.saved)
+
     chosen: dict[str, list[tuple[nn.Module, Impl]]] = {}
     for unit, pairs in candidates.items():
-        first = {full: next((i for i in impls if not (i.name in OUTPUT_SAVING and full in writers)), None)
-                 for full, _, impls in pairs}  # the first that is safe here
+        first = {full: next((i for i in impls if usable(full, i)), None) for full, _, impls in pairs}
         chosen[unit] = []
         for full, mod, _ in pairs:
             impl = first[full]
