@@ -1230,3 +1230,36 @@ def test_timm_batchnorm_act_rebuilt_output_is_bitwise_and_the_conv_saves_nothing
     assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
     activated = 4 * 8 * 16 * 16 * 4  # held as a 1-bit mask
     assert held[0] - held[1] == activated - activated // 32
+
+
+def test_conv_split_backward_costs_nothing_where_its_input_is_held_elsewhere() -> None:
+    """A ResNet shortcut's conv shares the block input with the block's first conv: freeing it after the weight
+    gradient frees nothing, and the input gradient's kernel (oneDNN on CPU) copied the zero-stride stand-in it got to
+    a contiguous input-sized tensor (ResNet-50 b8's stride-2 block: its backward 25 MB over the stock one). It gets
+    the input itself now, where another node still holds it; the stand-in only where the input is gone."""
+
+    class _ConvInputs(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.strides: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.convolution_backward.default and args[-1] == [True, False, False]:
+                self.strides.append(tuple(args[1].stride()))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    for shared in (True, False):
+        conv = nn.Conv2d(8, 4, 1, stride=2)
+        install_impl(conv, "conv2d_split_backward")
+        w = torch.randn(2, 8, 6, 6, requires_grad=True)
+        h = w * 2
+        y = conv(h).sum()
+        held = [h] if shared else []  # as the block's first conv holds the block input to its own backward
+        del h
+        with _ConvInputs() as log:
+            y.backward()
+        seen.append(log.strides)
+        del held
+    assert seen[0] == [(288, 36, 6, 1)]  # the input itself
+    assert seen[1] == [(0, 0, 0, 0)]  # gone after the weight gradient: a stand-in

@@ -74,6 +74,7 @@ import contextvars
 import functools
 import logging
 import math
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -1131,6 +1132,7 @@ class _Conv2dInputGrad(torch.autograd.Function):
         ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last
         )
+        ctx.input = weakref.ref(x)  # alive in backward only where another node still holds it
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(weight)
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
@@ -1141,7 +1143,12 @@ class _Conv2dInputGrad(torch.autograd.Function):
             return (None,) * 7
         (weight,) = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.args
-        if ctx.channels_last:
+        alive = ctx.input()
+        if alive is not None and alive.shape == ctx.in_shape:
+            # still held elsewhere (a block input its shortcut conv shares): the stock call, which reads only its
+            # shape; a stand-in would be copied to a contiguous input-sized tensor by the kernel (|input| more)
+            dummy = alive
+        elif ctx.channels_last:
             dummy = torch.empty(ctx.in_shape, dtype=grad.dtype, device=grad.device, memory_format=torch.channels_last)
         else:
             dummy = grad.new_empty(()).expand(ctx.in_shape)  # shape only, like torch.nn.grad.conv2d_input
