@@ -313,13 +313,15 @@ def _bn_forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
 def _bn_rebuild_forward(m: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     """The stock forward, its output registered as rebuildable from the input the stock backward saves anyway."""
     out = _BatchNorm.forward(m, input)
-    running = m.running_mean is not None and m.track_running_stats  # the kernel path the forward took
+    # the kernel path the forward took: with running statistics or without
+    stat_dtype = m.running_mean.dtype if m.running_mean is not None and m.track_running_stats else None
     eps = m.eps
 
     def again(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         # batch statistics again, into throwaway running buffers (the output does not read them)
-        stats = (torch.zeros(x.shape[1], dtype=m.running_mean.dtype, device=x.device),
-                 torch.ones(x.shape[1], dtype=m.running_var.dtype, device=x.device)) if running else (None, None)
+        stats = (None, None) if stat_dtype is None else (
+            torch.zeros(x.shape[1], dtype=stat_dtype, device=x.device),
+            torch.ones(x.shape[1], dtype=stat_dtype, device=x.device))
         return torch.nn.functional.batch_norm(x, *stats, weight, bias, True, 0.0, eps)
 
     register_rebuild(out, (input, m.weight, m.bias), again)
