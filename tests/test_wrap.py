@@ -234,6 +234,35 @@ def test_compact_implementations_save_what_was_predicted(model_id: str) -> None:
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_hf_resnet_batchnorm_before_an_out_of_place_relu_is_rebuilt_by_the_conv_after_it() -> None:
+    """HF's ResNet runs BatchNorm, then ``nn.ReLU()`` out of place, then the next conv: its compact forms held more
+    than the stock ops (the BatchNorm's output form keeps its output, which nothing else saves, and the conv the
+    ReLU's); with the BatchNorm's output rebuilt by the conv they hold less, and gradients stay bitwise."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from zoomem.planner import CostModel
+
+    torch.manual_seed(0)
+    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                       layer_type="bottleneck", num_labels=10)
+    model = ResNetForImageClassification(cfg).train()
+    adapter = zoomem.get_adapter(model)
+    batch = adapter.example_batch(model, 8)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    zoomem.wrap(model, None, adapter=adapter, batch=batch)
+    handle = model._zoomem
+    (plan,) = handle.plans.values()
+    costs = CostModel.from_graph(handle.last_graph)
+    assert all(s.held > 0 for s in costs.compact_saving.values()), costs.compact_saving
+    for u in plan.units:
+        u.compact = True
+    loss, grads, _ = _step(model, adapter, batch)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], g) for k, g in ref_grads.items())
+    zoomem.unwrap(model)
+
+
 def test_verification_steps_lower_when_the_overshoot_barely_moves() -> None:
     """The verification loop's next target: the overshoot off the prediction after one plan; after two, a
     secant step through their (predicted, measured) peaks, at most four overshoots deep (the BERT-large case:

@@ -5,7 +5,7 @@ except output-saving ones (BatchNorm/LayerNorm/RMSNorm reconstructing their inpu
 module whose output is later overwritten in place (``x += shortcut``, an in-place ReLU), where they would be
 wrong, or whose output no op saves (a shortcut's BatchNorm feeding an addition), where they would trade the input
 for an output held as long and add their backward's temporary: there the next one that applies is taken
-(BatchNorm's ``batchnorm_rebuilt_output``, where zoomem's activation overwrites the output in place). A unit's candidates are switched on together when its plan says ``compact``; the planner knows
+(BatchNorm's ``batchnorm_rebuilt_output``, where nothing but zoomem's ReLU family changes the output in place). A unit's candidates are switched on together when its plan says ``compact``; the planner knows
 what that saves because the runtime measured the step's timeline once with all of them on.
 """
 
@@ -87,8 +87,8 @@ def choose_impls(
         for full, mod, _ in pairs:
             impl = first[full]
             if impl is None or (impl.name in REBUILT_OUTPUT and not all(
-                    first.get(w) is not None and first[w].name in PASSES_REBUILD for w in writers.get(full, ["-"]))):
-                continue  # a rebuildable output only where an activation that passes it on runs in place on it
+                    first.get(w) is not None and first[w].name in PASSES_REBUILD for w in writers.get(full, []))):
+                continue  # a rebuildable output only where nothing but an activation passing it on changes it
             chosen[unit].append((mod, impl))
             set_owner(mod, unit)  # tensors one of its forms makes rebuildable are rebuilt within the unit
     return chosen
