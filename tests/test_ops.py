@@ -1134,10 +1134,9 @@ def _rebuilding(m: nn.Sequential) -> list[Callable[[], None]]:
     return [install_impl(mod, names[type(mod)]) for mod in m]
 
 
-def test_batchnorm_rebuilt_output_is_bitwise_and_the_conv_saves_nothing_new() -> None:
-    stock = _conv_bn_relu()
-    ours = copy.deepcopy(stock)
-    _rebuilding(ours)
+def _bitwise_and_saved_bytes(stock: nn.Module, ours: nn.Module) -> list[int]:
+    """One step of each on the same batch: output, gradients and running statistics bitwise equal; the bytes each
+    saves for backward."""
     x0 = torch.randn(4, 3, 16, 16)
     res, held = [], []
     for model in (stock, ours):
@@ -1147,6 +1146,14 @@ def test_batchnorm_rebuilt_output_is_bitwise_and_the_conv_saves_nothing_new() ->
         y.square().sum().backward()
         res.append([y, x.grad, *(p.grad for p in model.parameters()), *model.buffers()])
     assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
+    return held
+
+
+def test_batchnorm_rebuilt_output_is_bitwise_and_the_conv_saves_nothing_new() -> None:
+    stock = _conv_bn_relu()
+    ours = copy.deepcopy(stock)
+    _rebuilding(ours)
+    held = _bitwise_and_saved_bytes(stock, ours)
     # the two ReLU outputs (4x8x16x16 and 4x4x16x16 floats) are not held: 1-bit masks are
     relu_outputs = 4 * (8 + 4) * 16 * 16 * 4
     assert held[0] - held[1] == relu_outputs - relu_outputs // 32
@@ -1219,15 +1226,7 @@ def test_timm_batchnorm_act_rebuilt_output_is_bitwise_and_the_conv_saves_nothing
     ours = copy.deepcopy(stock)
     install_impl(ours[1], "batchnorm_act_rebuilt_output")
     install_impl(ours[2], "conv2d_split_backward")
-    x0 = torch.randn(4, 3, 16, 16)
-    res, held = [], []
-    for model in (stock, ours):
-        x = x0.clone().requires_grad_(True)
-        y, nbytes = saved_bytes(lambda: model(x), model)
-        held.append(nbytes)
-        y.square().sum().backward()
-        res.append([y, x.grad, *(p.grad for p in model.parameters()), *model.buffers()])
-    assert all(torch.equal(a, b) for a, b in zip(res[0], res[1]))
+    held = _bitwise_and_saved_bytes(stock, ours)
     activated = 4 * 8 * 16 * 16 * 4  # held as a 1-bit mask
     assert held[0] - held[1] == activated - activated // 32
 
