@@ -287,16 +287,11 @@ class _BitmaskActivation(torch.autograd.Function):
         # kind: "relu" (threshold 0, value 0, like aten.relu), "threshold" (a=threshold, b=value),
         # "hardtanh" (a=min, b=max), "leaky_relu" (a=slope)
         if kind == "relu":
-            out = torch.relu_(x) if inplace else torch.relu(x)
+            out = _act_value(kind, a, b, inplace, x)
             mask = ~(out <= 0)  # aten: threshold_backward(grad, result, 0)
         else:
             mask = _act_forward_mask(kind, x, a, b)
-            if kind == "threshold":
-                out = F.threshold(x, a, b, inplace=inplace)
-            elif kind == "hardtanh":
-                out = F.hardtanh(x, a, b, inplace=inplace)
-            else:
-                out = F.leaky_relu(x, a, inplace=inplace)
+            out = _act_value(kind, a, b, inplace, x)
         if inplace:
             ctx.mark_dirty(x)
         _save_mask(ctx, mask)
@@ -317,20 +312,20 @@ def _bitmask_act(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) 
         inplace = False
     source = rebuild_of(x)  # before an in-place run changes its version
     out = _BitmaskActivation.apply(x, kind, a, b, inplace)
-    if source is not None:  # the output is as rebuildable as the input: the same op on the rebuilt input
-        extend(source, out, functools.partial(_act_in_place, kind, a, b))
+    if source is not None:  # the output is as rebuildable as the input: the same op, in place on the rebuilt input
+        extend(source, out, functools.partial(_act_value, kind, a, b, True))
     return out
 
 
-def _act_in_place(kind: str, a: float, b: float, t: torch.Tensor) -> torch.Tensor:
-    """The value _BitmaskActivation computes, in place on a fresh tensor (the same kernels, in-place variant)."""
+def _act_value(kind: str, a: float, b: float, inplace: bool, x: torch.Tensor) -> torch.Tensor:
+    """The activation's output, the stock kernel (in place or not: the same values)."""
     if kind == "relu":
-        return torch.relu_(t)
+        return torch.relu_(x) if inplace else torch.relu(x)
     if kind == "threshold":
-        return F.threshold(t, a, b, inplace=True)
+        return F.threshold(x, a, b, inplace=inplace)
     if kind == "hardtanh":
-        return F.hardtanh(t, a, b, inplace=True)
-    return F.leaky_relu(t, a, inplace=True)
+        return F.hardtanh(x, a, b, inplace=inplace)
+    return F.leaky_relu(x, a, inplace=inplace)
 
 
 def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -1118,9 +1113,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     y2 = _LinearInputGrad.apply(x2, weight, bias, fused_bias)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        rebuild = rebuild_of(x2) if weight.requires_grad else None
-        sources = rebuild.inputs if rebuild is not None else ()
-        y2 = _LinearWeightGrad.apply(y2, x2, weight, bias, rebuild and rebuild.fn, *sources)
+        y2 = _LinearWeightGrad.apply(y2, x2, weight, bias, *_rebuild_args(x2, weight))
     return y2 if x.dim() == 2 else y2.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -1207,9 +1200,14 @@ def conv2d(
     y = _Conv2dInputGrad.apply(x, weight, bias, s, p, d, groups)
     if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return y
+    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups, *_rebuild_args(x, weight))
+
+
+def _rebuild_args(x: torch.Tensor, weight: torch.Tensor) -> tuple:  # type: ignore[type-arg]
+    """The weight-gradient Function's last arguments: the recipe rebuilding ``x`` (or None) and the tensors it reads
+    (:mod:`.rebuild`), when the weight gradient will read ``x``."""
     rebuild = rebuild_of(x) if weight.requires_grad else None
-    sources = rebuild.inputs if rebuild is not None else ()
-    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups, rebuild and rebuild.fn, *sources)
+    return (None,) if rebuild is None else (rebuild.fn, *rebuild.inputs)
 
 
 def _save_input(ctx: Any, x: torch.Tensor | None, rebuild: Any, sources: tuple, *more: torch.Tensor) -> None:

@@ -524,12 +524,6 @@ def _lm_loss_applies(m: nn.Module) -> bool:
         return False
 
 
-REBUILT_OUTPUT = frozenset({"batchnorm_rebuilt_output"})
-"""Implementations whose output consumers may rebuild (:mod:`zoomem.ops.rebuild`)."""
-PASSES_REBUILD = frozenset({"relu_bitmask", "hardtanh_bitmask", "leaky_relu_bitmask", "threshold_bitmask"})
-"""Implementations whose output is as rebuildable as their input (they extend the recipe)."""
-
-
 def _register_builtin() -> None:
     for impl in (
         Impl("relu_bitmask", (nn.ReLU,), _relu_forward, _own_forward(nn.ReLU),

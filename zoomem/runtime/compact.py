@@ -19,14 +19,14 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, impls_for, install_impl
-from ..ops.impls import PASSES_REBUILD, REBUILT_OUTPUT, OutputUses, scan_outputs
+from ..ops.impls import OutputUses, scan_outputs
 from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..ops.rebuild import set_owner
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
 
-__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "UNIT_INNER", "choose_impls", "install_switched", "install_all",
-           "wrap_root"]
+__all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "PASSES_REBUILD", "REBUILT_OUTPUT", "UNIT_INNER", "choose_impls",
+           "install_switched", "install_all", "wrap_root"]
 
 UNIT_INNER = "zoomem_unit_inner"
 """Attribute of zoomem's forward of a unit: a one-element list holding the callable it runs (and recomputes)
@@ -38,7 +38,12 @@ forward to the unit's backward)."""
 OUTPUT_SAVING = frozenset({"batchnorm_output", "batchnorm_act_output", "layernorm_output", "rmsnorm_output"})
 """Implementations that keep the module's output instead of its input: unsafe if the output is later mutated."""
 
+REBUILT_OUTPUT = frozenset({"batchnorm_rebuilt_output"})
+"""Implementations whose output the layers after them may rebuild (:mod:`zoomem.ops.rebuild`): worth it only where
+nothing but an implementation that passes the recipe on changes that output."""
 
+PASSES_REBUILD = frozenset({"relu_bitmask", "hardtanh_bitmask", "leaky_relu_bitmask", "threshold_bitmask"})
+"""Implementations whose output is as rebuildable as their input (they extend the recipe)."""
 
 
 def choose_impls(
