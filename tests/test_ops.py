@@ -1231,11 +1231,13 @@ def test_timm_batchnorm_act_rebuilt_output_is_bitwise_and_the_conv_saves_nothing
     assert held[0] - held[1] == activated - activated // 32
 
 
-def test_conv_split_backward_costs_nothing_where_its_input_is_held_elsewhere() -> None:
-    """A ResNet shortcut's conv shares the block input with the block's first conv: freeing it after the weight
-    gradient frees nothing, and the input gradient's kernel (oneDNN on CPU) copied the zero-stride stand-in it got to
-    a contiguous input-sized tensor (ResNet-50 b8's stride-2 block: its backward 25 MB over the stock one). It gets
-    the input itself now, where another node still holds it; the stand-in only where the input is gone."""
+def test_conv_split_backward_gives_its_input_gradient_the_input_the_weight_gradient_read() -> None:
+    """The input gradient's kernel (oneDNN on CPU) needs only the input's shape, but copies a zero-stride stand-in
+    to a contiguous input-sized tensor. A ResNet shortcut's conv shares the block input with the block's first conv
+    (freeing it after the weight gradient frees nothing: ResNet-50 b8's stride-2 block 25 MB over the stock
+    backward), and a recomputed unit's input is a new tensor, the forward's being gone (a block whose input a chain
+    drops: 4 MiB over its prediction at 64 px, b16). The weight gradient hands over the input it read, held as
+    long as the stock conv holds it; a stand-in is left only where no weight gradient runs and the input is gone."""
 
     class _ConvInputs(TorchDispatchMode):
         def __init__(self) -> None:
@@ -1247,18 +1249,24 @@ def test_conv_split_backward_costs_nothing_where_its_input_is_held_elsewhere() -
                 self.strides.append(tuple(args[1].stride()))
             return func(*args, **(kwargs or {}))
 
-    seen = []
-    for shared in (True, False):
+    seen = {}
+    for case in ("shared", "alone", "recomputed", "frozen"):
         conv = nn.Conv2d(8, 4, 1, stride=2)
         install_impl(conv, "conv2d_split_backward")
+        conv.weight.requires_grad_(case != "frozen")
+        conv.bias.requires_grad_(case != "frozen")
         w = torch.randn(2, 8, 6, 6, requires_grad=True)
-        h = w * 2
-        y = conv(h).sum()
-        held = [h] if shared else []  # as the block's first conv holds the block input to its own backward
-        del h
+        if case == "recomputed":
+            y = torch.utils.checkpoint.checkpoint(lambda t: conv(t * 2), w, use_reentrant=False).sum()
+            held = []
+        else:
+            h = w * 2
+            y = conv(h).sum()
+            held = [h] if case == "shared" else []  # as the block's first conv holds the block input
+            del h
         with _ConvInputs() as log:
             y.backward()
-        seen.append(log.strides)
+        seen[case] = log.strides
         del held
-    assert seen[0] == [(288, 36, 6, 1)]  # the input itself
-    assert seen[1] == [(0, 0, 0, 0)]  # gone after the weight gradient: a stand-in
+    assert seen["shared"] == seen["alone"] == seen["recomputed"] == [(288, 36, 6, 1)]  # the input itself
+    assert seen["frozen"] == [(0, 0, 0, 0)]  # nothing read it, and it is gone: a stand-in

@@ -1119,27 +1119,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class _Conv2dInputGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, handoff):  # type: ignore[override]
         ctx.args = (list(stride), list(padding), list(dilation), groups)
         ctx.in_shape = x.shape
         ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last
         )
         ctx.input = weakref.ref(x)  # alive in backward only where another node still holds it
+        ctx.handoff = handoff
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(weight)
+            handoff.append(None)  # the weight gradient's backward, which runs first, hands its input over here
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
-            return (None,) * 7
+            return (None,) * 8
         (weight,) = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.args
-        alive = ctx.input()
+        alive = ctx.handoff[0] if ctx.handoff and ctx.handoff[0] is not None else ctx.input()
+        if ctx.handoff:
+            ctx.handoff[0] = None
         if alive is not None and alive.shape == ctx.in_shape:
-            # still held elsewhere (a block input its shortcut conv shares): the stock call, which reads only its
-            # shape; a stand-in would be copied to a contiguous input-sized tensor by the kernel (|input| more)
+            # the input as the weight gradient read it (a recomputed unit's new one, a rebuilt one) or still held
+            # elsewhere: the stock call, which reads only its shape; a stand-in would be copied to a contiguous
+            # input-sized tensor by the kernel, |input| more where the input is alive anyway
             dummy = alive
         elif ctx.channels_last:
             dummy = torch.empty(ctx.in_shape, dtype=grad.dtype, device=grad.device, memory_format=torch.channels_last)
@@ -1148,14 +1153,15 @@ class _Conv2dInputGrad(torch.autograd.Function):
         gx, _, _ = torch.ops.aten.convolution_backward(
             grad, dummy, weight, None, stride, padding, dilation, False, [0, 0], groups, [True, False, False]
         )
-        return gx, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None
 
 
 class _Conv2dWeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, x, weight, bias, stride, padding, dilation, groups, rebuild, *sources):  # type: ignore[override]
+    def forward(ctx, y, x, weight, bias, stride, padding, dilation, groups, handoff, rebuild, *sources):  # type: ignore[override]
         ctx.mark_dirty(y)
         ctx.args = (list(stride), list(padding), list(dilation), groups)
+        ctx.handoff = handoff
         ctx.bias_sizes = [bias.shape[0]] if bias is not None else None
         ctx.in_shape = x.shape
         _save_input(ctx, x if ctx.needs_input_grad[2] else None, rebuild, sources, weight)
@@ -1175,7 +1181,11 @@ class _Conv2dWeightGrad(torch.autograd.Function):
                 grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0, 0], groups,
                 [False, need_w, need_b],
             )
-        return (grad, None, gw, gb, None, None, None, None, None) + (None,) * ctx.sources
+        if need_w and ctx.handoff:
+            # held until the input gradient's backward, next: the stock conv holds its input as long, and the
+            # input gradient needs an input-shaped tensor (a recomputed unit's first forward's input is gone)
+            ctx.handoff[0] = x
+        return (grad, None, gw, gb, None, None, None, None, None, None) + (None,) * ctx.sources
 
 
 def conv2d(
@@ -1197,10 +1207,11 @@ def conv2d(
         with torch.autocast(x.device.type, enabled=False):
             return conv2d(x, weight, bias, stride, padding, dilation, groups)
     s, p, d = _pair(stride), _pair(padding), _pair(dilation)
-    y = _Conv2dInputGrad.apply(x, weight, bias, s, p, d, groups)
+    handoff: list = []  # type: ignore[type-arg]
+    y = _Conv2dInputGrad.apply(x, weight, bias, s, p, d, groups, handoff)
     if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return y
-    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups, *_rebuild_args(x, weight))
+    return _Conv2dWeightGrad.apply(y, x, weight, bias, s, p, d, groups, handoff, *_rebuild_args(x, weight))
 
 
 def _rebuild_args(x: torch.Tensor, weight: torch.Tensor) -> tuple:  # type: ignore[type-arg]
