@@ -7,13 +7,15 @@ peak, lossless or ``compress="auto"``). The model is wrapped once (``level="L2"`
 ``zoomem.plan`` makes it, then one step runs under it with the memory timeline measured, and every point of the
 cost model (a segment's forward peak, backward peak, and the bytes live where its backward starts; where the code
 after a unit saves tensors, as timm's DenseNet transitions do, that code's backward peak apart, ``after``) is
-printed beside the measured one. A recomputed unit's own backward is invisible to the measuring hooks (its
-checkpoint unpacks it), so its ``after`` point shows n/a and its backward point measures both. Points are bytes
-above the step's start (parameters, optimizer state and batch apart).
+printed beside the measured one. Points are bytes above the step's start (parameters, optimizer state and batch
+apart).
 
-A recomputed unit's recompute point is predicted with its recomputation's rise, but measured where its backward
-segment starts, before the first unpacking runs that recomputation (the rise shows in the backward point): there
-the prediction reads high by about the unit's forward rise, and only the backward point compares.
+Where the step has no stretch for a point, or one stretch measures two, ``zoomem.runtime.wrap.plan_points`` folds
+the predictions into the measured stretch's, the larger of them: a recomputed unit's backward point measures its
+recomputation (its ``recompute`` point is measured where the backward starts, before the first unpacking runs
+it, so that one reads high by about the unit's forward rise) and its ``after`` point (n/a: the measuring hooks do
+not see the unit's own backward start, its checkpoint unpacks it); a unit that drops its input
+(``recompute_chain``) shows n/a at its backward point, measured in the stretch that ran before it.
 """
 
 from __future__ import annotations

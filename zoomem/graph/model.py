@@ -61,7 +61,10 @@ class UnitInfo:
     """A checkpointable unit and what it costs. ``group`` is shared by structurally identical units.
 
     ``input_storages`` are the storages of the tensors passed to the unit's forward: what a checkpoint of the
-    unit keeps alive in place of the unit's saved tensors.
+    unit keeps alive in place of the unit's saved tensors. ``inputs_held_to``: where a module call around the
+    unit got one of them as an argument too, the number of units whose forward had started when the last such
+    call returned (0: none). Its caller's frame holds an argument until the call returns, so dropping the input
+    (``RECOMPUTE_CHAIN``) frees it only then: timm's ResNet holds a stage's input through all of the stage.
     """
 
     name: str
@@ -75,6 +78,7 @@ class UnitInfo:
     time_fwd_s: float = 0.0
     time_bwd_s: float = 0.0
     input_storages: list[int] = field(default_factory=list)
+    inputs_held_to: int = 0
 
 
 @dataclass

@@ -339,8 +339,15 @@ def trace(
     state.unit_of_module = {u.name: u.name for u in units}
     spans = _CallSpans(state)
 
-    def pre_hook(mod: nn.Module, args: Any) -> None:
+    # per running module call: the storages of its arguments, and the units whose inputs are among them (the
+    # caller's frame holds an argument until the call returns: see UnitInfo.inputs_held_to)
+    calls: list[tuple[set[int], list[str]]] = []
+    held_to: dict[str, int] = {}
+
+    def pre_hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
         state.module_stack.append(names.get(mod, "?"))
+        leaves = pytree.tree_leaves((args, kwargs))
+        calls.append(({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)}, []))
 
     unit_inputs: dict[str, list[int]] = {}
 
@@ -349,10 +356,16 @@ def trace(
         if name not in unit_inputs:
             leaves = pytree.tree_leaves((args, kwargs))
             unit_inputs[name] = sorted({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)})
+            for args_of, dependents in calls:  # the calls running now (this unit's own is pushed after this hook)
+                if args_of.intersection(unit_inputs[name]):
+                    dependents.append(name)
 
     def post_hook(mod: nn.Module, args: Any, out: Any) -> None:
         if state.module_stack:
             state.module_stack.pop()
+        if calls:
+            for name in calls.pop()[1]:
+                held_to[name] = max(held_to.get(name, 0), len(unit_inputs))
 
     def pack(t: torch.Tensor) -> Any:
         if state.phase != "forward":
@@ -388,7 +401,7 @@ def trace(
             for u in units:
                 handles.append(u.module.register_forward_pre_hook(unit_pre_hook, with_kwargs=True))
             for mod in model.modules():
-                handles.append(mod.register_forward_pre_hook(pre_hook))
+                handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(mod.register_forward_hook(post_hook))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             stack.enter_context(_OpRecorder(state, ids))
@@ -472,6 +485,7 @@ def trace(
             counted.setdefault(state.ops[p.op].unit, set()).add(s)
     for u in graph.units:
         u.input_storages = unit_inputs.get(u.name, [])
+        u.inputs_held_to = held_to.get(u.name, 0)
     _dedupe_across_units(graph, counted)
     return graph
 

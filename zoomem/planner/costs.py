@@ -158,6 +158,9 @@ class CostModel:
     """Unit segment -> index in ``storages`` of the input that ``RECOMPUTE_CHAIN`` may drop: the unit's one
     activation input made by the unit before it, needed by nothing else (no other unit takes it, nothing outside
     the units saves it)."""
+    chain_held_to: dict[int, int] = field(default_factory=dict)
+    """Chain segment -> the last unit segment whose forward a caller holds that input through anyway (a module
+    call around the unit got it as an argument: :attr:`~zoomem.graph.UnitInfo.inputs_held_to`); absent: none."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -244,6 +247,7 @@ class CostModel:
             s.last_forward_use = max(s.last_forward_use, producer_seg.get(s.sid, 0))
             s.dies_between = 0 < s.last_forward_use and between.get(s.sid, False)
         chain: dict[int, int] = {}
+        chain_held_to: dict[int, int] = {}
         order = list(storages)
         for u in graph.units:
             seg = seg_of_unit.get(u.name)
@@ -256,6 +260,8 @@ class CostModel:
             if (not s.pinned and s.input_of == {seg} and s.savers <= {seg - 1, seg} and s.cheap_kept_by <= {seg - 1}
                     and s.last_forward_use == seg):
                 chain[seg] = order.index(s.sid)
+                if u.inputs_held_to > seg:
+                    chain_held_to[seg] = u.inputs_held_to
 
         rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
         if rng:
@@ -346,6 +352,7 @@ class CostModel:
             compact_recompute=frozenset(graph.compact_recompute_units) & frozenset(compact_saving),
             outside_gain=outside_gain,
             chain=chain,
+            chain_held_to=chain_held_to,
             compact_saving_stored=stored,
             after_peaks=frozenset(after_peaks),
         )
@@ -784,9 +791,16 @@ class CostModel:
         j = self.chain[seg]
         coef = self._matrices()["coef"]
         out: list[tuple[int, int | None]] = []
+        held_to = self.chain_held_to.get(seg, 0)
+        if max(held_to, seg) == len(self.units):
+            # the code after the last unit is the head's forward: a call around the unit returns there, and so
+            # does the unit's own call, to a caller (a Sequential's loop) that lets go of the input only then
+            held_to = len(self.units) + 1
         for i, p in enumerate(self.points):
             if coef[i, j] == 0:
                 continue
+            if p.phase == "forward" and seg <= p.seg <= held_to:
+                continue  # a module call around the unit holds it there whatever the unit does
             if p.phase == "forward" or p.seg > len(self.units):
                 out.append((i, None))
             elif p.seg >= seg:  # the code after unit k runs its backward before k recomputes: k + 1's chain is back

@@ -778,17 +778,39 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
 
 def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
     """Every memory point of ``costs`` (what ``candidate``, a plan for the wrapped ``model``, was made from) with
-    the bytes the cost model predicts there under ``candidate`` and the bytes one real step under it measures
-    (``None`` where the step has no such point: a recomputed unit's ``after`` point, measured with its backward,
-    whose unpacking its checkpoint hides); bytes above the step's start. Where a cost model is off:
-    ``scripts/point_errors.py``."""
+    the bytes the cost model predicts there under ``candidate`` and the bytes one real step under it measures;
+    bytes above the step's start. Where a cost model is off: ``scripts/point_errors.py``.
+
+    A recomputed unit's backward stretch starts before its first unpacking runs the recomputation, so its
+    ``recompute`` point measures that start and its backward point the recomputation too: the backward point's
+    prediction is the larger of the two. Some points have no stretch of their own in the step (measured ``None``):
+    a recomputed unit's ``after`` point,
+    measured with its backward (the code's unpacking and the unit's run as one stretch); and the backward of a unit
+    that drops its input (``RECOMPUTE_CHAIN``), which unpacks nothing the step's hooks see, so it runs inside the
+    stretch before it (the code after it, else the next unit's backward or the head's). Such a point's prediction
+    is folded into that stretch's, as the larger of the two, so every measured figure is compared with what was
+    predicted for it."""
     handle: _Handle = model.__dict__["_zoomem"]
     active = _Active.of(candidate)
-    predicted = costs.point_bytes(active.decisions, active.compact, candidate.bits)
+    predicted = [float(v) for v in costs.point_bytes(active.decisions, active.compact, candidate.bits)]
     with handle.planning_scope():
         timeline = _measured_timeline(handle, candidate, batch, handle.adapter, handle.loss_fn, handle.units)
     measured = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
-    return [(p, float(v), measured.get((p.phase, p.seg))) for p, v in zip(costs.points, predicted)]
+    got = [measured.get((p.phase, p.seg)) for p in costs.points]
+    index = {(p.phase, p.seg): i for i, p in enumerate(costs.points)}
+    recomputed = {seg for seg, u in enumerate(costs.units, 1)
+                  if active.decisions.get(u, Decision.KEEP) != Decision.KEEP}
+    for (phase, seg), i in index.items():
+        j = index.get(("backward", seg))
+        if j is not None and ((phase == "after" and got[i] is None) or (phase == "recompute" and seg in recomputed)):
+            predicted[j] = max(predicted[j], predicted[i])
+    backward = sorted((p.seg, i) for i, p in enumerate(costs.points) if p.phase == "backward")
+    for k, (_, i) in enumerate(backward):
+        if got[i] is None:  # into the nearest measured stretch that ran before it: the next higher segment's
+            j = next((j for _, j in backward[k + 1:] if got[j] is not None), None)
+            if j is not None:
+                predicted[j] = max(predicted[j], predicted[i])
+    return list(zip(costs.points, predicted, got))
 
 
 def _check_compression(budget: Any, compress: str | CompressOptions | None, level: str | Level | None,
