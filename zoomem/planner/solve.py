@@ -351,6 +351,12 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     for i, p in enumerate(model.points):
         expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
             k * held_term(s, i) for s, k in model._coefficients(p))
+        lost = model.outside_lost(i)
+        if lost is not None and not (isinstance(switch, int) and switch == 0):
+            # the forms are on and the unit recomputes: w = switch * (1 - keep), as small as the constraint lets it
+            w = pulp.LpVariable(f"outside_lost_{i}", 0)
+            prob += w >= switch - keep(lost[0])
+            expr += lost[1] * w
         if p.phase == "recompute" and p.seg in drop:  # bringing the input back runs earlier units' forwards first
             runs = []
             for run in range(p.seg - 1, max(0, p.seg - MAX_CHAIN - 1), -1):
