@@ -882,11 +882,13 @@ class CostModel:
         freed inside its backward once the unit's own ops are done with it; a recomputed unit's checkpoint holds
         its inputs through all of its backward (PyG's SAGE: the ReLU output between two convs, a 12% lower peak
         predicted than measured at 2000 nodes). At its backward and recompute points only the gain that holds
-        throughout backward (its smallest there: ResNet's max-pool offsets) is counted."""
+        throughout the units' backward (its smallest there: ResNet's max-pool offsets; the stem's and the head's
+        own backward, where the forms' tensors are used up, do not count) is counted."""
         p = self.points[i]
-        if not self.outside_gain or p.phase not in ("backward", "recompute") or not 1 <= p.seg <= len(self.units):
+        n = len(self.units)
+        if not self.outside_gain or p.phase not in ("backward", "recompute") or not 1 <= p.seg <= n:
             return None
-        floor = min(g for q, g in zip(self.points, self.outside_gain) if q.phase != "forward")
+        floor = min(g for q, g in zip(self.points, self.outside_gain) if q.phase != "forward" and 1 <= q.seg <= n)
         lost = self.outside_gain[i] - min(self.outside_gain[i], floor)
         return (p.seg, float(lost)) if lost > 0 else None
 
