@@ -784,12 +784,11 @@ def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batc
     A recomputed unit's backward stretch starts before its first unpacking runs the recomputation, so its
     ``recompute`` point measures that start and its backward point the recomputation too: the backward point's
     prediction is the larger of the two. Some points have no stretch of their own in the step (measured ``None``):
-    a recomputed unit's ``after`` point,
-    measured with its backward (the code's unpacking and the unit's run as one stretch); and the backward of a unit
-    that drops its input (``RECOMPUTE_CHAIN``), which unpacks nothing the step's hooks see, so it runs inside the
-    stretch before it (the code after it, else the next unit's backward or the head's). Such a point's prediction
-    is folded into that stretch's, as the larger of the two, so every measured figure is compared with what was
-    predicted for it."""
+    a recomputed unit's ``after`` point, measured with its backward (the code's unpacking and the unit's run as one
+    stretch); and the backward of a unit that drops its input (``RECOMPUTE_CHAIN``), which unpacks nothing the
+    step's hooks see, so it runs inside the stretch before it (the code after it, else the next unit's backward or
+    the head's). Such a point's prediction is folded into that stretch's, as the larger of the two, so every
+    measured figure is compared with what was predicted for it."""
     handle: _Handle = model.__dict__["_zoomem"]
     active = _Active.of(candidate)
     predicted = [float(v) for v in costs.point_bytes(active.decisions, active.compact, candidate.bits)]
