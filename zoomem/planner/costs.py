@@ -888,7 +888,10 @@ class CostModel:
         n = len(self.units)
         if not self.outside_gain or p.phase not in ("backward", "recompute") or not 1 <= p.seg <= n:
             return None
-        floor = min(g for q, g in zip(self.points, self.outside_gain) if q.phase != "forward" and 1 <= q.seg <= n)
+        floor = self.__dict__.get("_outside_floor")
+        if floor is None:  # asked once a point, by the matrices and by the program: worked out once
+            floor = self.__dict__["_outside_floor"] = min(
+                g for q, g in zip(self.points, self.outside_gain) if q.phase != "forward" and 1 <= q.seg <= n)
         lost = self.outside_gain[i] - min(self.outside_gain[i], floor)
         return (p.seg, float(lost)) if lost > 0 else None
 
