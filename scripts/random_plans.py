@@ -24,31 +24,28 @@ import torch
 import zoomem
 from zoomem import zoo
 from zoomem.planner import CostModel, Decision, Plan
+from zoomem.planner.solve import unit_modes
 from zoomem.runtime.wrap import plan_points
 
 MIB = 2**20
+DRAW_ORDER = [(Decision.KEEP, 0), (Decision.RECOMPUTE, 0), (Decision.RECOMPUTE_CHEAP, 0), (Decision.KEEP, 1),
+              (Decision.RECOMPUTE, 1), (Decision.RECOMPUTE_CHAIN, 0), (Decision.RECOMPUTE_CHAIN, 1)]
+"""The order modes are drawn from, which a seed's plans depend on (BENCHMARKS.md's were drawn in it)."""
 SHORT = {Decision.KEEP: "k", Decision.RECOMPUTE: "r", Decision.RECOMPUTE_CHEAP: "rcheap",
          Decision.RECOMPUTE_CHAIN: "rchain"}
 
 
 def random_plan(base: Plan, costs: CostModel, rng: random.Random) -> Plan:
-    """A copy of ``base`` with every unit's mode drawn from those the program offers it (``planner.solve._build``)."""
+    """A copy of ``base`` with every unit's mode drawn from those the program offers it (``unit_modes``)."""
     plan = copy.deepcopy(base)
     previous = Decision.KEEP
-    for seg, unit in enumerate(plan.units, 1):
-        name = unit.name
-        modes = [(Decision.KEEP, False), (Decision.RECOMPUTE, False)]
-        if costs.recompute_cheap_s.get(name, 0.0) < costs.recompute_s.get(name, 0.0):
-            modes.append((Decision.RECOMPUTE_CHEAP, False))
-        compact_recompute = name in costs.compact_saving and name in costs.compact_recompute
-        if name in costs.compact_saving:
-            modes.append((Decision.KEEP, True))
-        if compact_recompute:
-            modes.append((Decision.RECOMPUTE, True))
-        if seg in costs.chain and previous in (Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN):
-            modes += [(Decision.RECOMPUTE_CHAIN, False)] + [(Decision.RECOMPUTE_CHAIN, True)] * compact_recompute
-        unit.decision, unit.compact = rng.choice(modes)
-        previous = unit.decision
+    for i, unit in enumerate(plan.units):
+        modes = sorted(((d, on) for d, on in unit_modes(costs, i) if d != Decision.RECOMPUTE_CHAIN
+                        or previous in (Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN)),  # after a recomputed unit
+                       key=DRAW_ORDER.index)
+        decision, on = rng.choice(modes)
+        unit.decision, unit.compact = decision, bool(on)
+        previous = decision
     plan.outside_compact = bool(costs.outside_gain) and rng.random() < 0.5
     return plan
 

@@ -166,6 +166,28 @@ def _available_solvers() -> tuple[str, ...]:
     return tuple(pulp.listSolvers(onlyAvailable=True))
 
 
+def unit_modes(model: CostModel, i: int, lossy: bool = False) -> list[tuple[Decision, int]]:
+    """The modes the program offers unit ``i`` (0-based): (decision, 0 plain forms | 1 compact | 2 compact as
+    stored, ``lossy`` programs only). A chained mode needs the unit before it recomputed, which the program adds."""
+    u = model.units[i]
+    modes: list[tuple[Decision, int]] = [(Decision.RECOMPUTE, 0)]
+    if model.recompute_cheap_s.get(u, 0.0) < model.recompute_s.get(u, 0.0):
+        modes.append((Decision.RECOMPUTE_CHEAP, 0))  # never compact: they would change its cached outputs
+    if u not in model.compact_saving:
+        modes.append((Decision.KEEP, 0))
+    else:
+        modes += [(Decision.KEEP, 0), (Decision.KEEP, 1)]
+        if u in model.compact_recompute:  # its compact forms run inside the checkpoint, and again in recompute
+            modes.append((Decision.RECOMPUTE, 1))
+    if lossy and u in model.compact_saving_stored:  # what storing some tensor lossily runs
+        modes.append((Decision.KEEP, 2))
+    if i + 1 in model.chain:
+        modes.append((Decision.RECOMPUTE_CHAIN, 0))
+        if (Decision.RECOMPUTE, 1) in modes:
+            modes.append((Decision.RECOMPUTE_CHAIN, 1))
+    return modes
+
+
 def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choice | None = None,  # type: ignore[no-untyped-def]
            compress: CompressOptions | None = None):
     """The program: minimise recompute time s.t. every memory point <= limit (or minimise the peak).
@@ -193,21 +215,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     x: dict[tuple[str, Decision, int], pulp.LpVariable] = {}
     kept: dict[str, pulp.LpAffineExpression] = {}  # 1 when the unit keeps its tensors, in either compact mode
     for i, u in enumerate(model.units):
-        modes: list[tuple[Decision, int]] = [(Decision.RECOMPUTE, 0)]  # 0: plain forms, 1: compact, 2: compact stored
-        if model.recompute_cheap_s.get(u, 0.0) < model.recompute_s.get(u, 0.0):
-            modes.append((Decision.RECOMPUTE_CHEAP, 0))  # never compact: they would change its cached outputs
-        if u not in model.compact_saving:
-            modes.append((Decision.KEEP, 0))
-        else:
-            modes += [(Decision.KEEP, 0), (Decision.KEEP, 1)]
-            if u in model.compact_recompute:  # its compact forms run inside the checkpoint, and again in recompute
-                modes.append((Decision.RECOMPUTE, 1))
-        if compress is not None and u in model.compact_saving_stored:  # what storing some tensor lossily runs
-            modes.append((Decision.KEEP, 2))
-        if i + 1 in model.chain:
-            modes.append((Decision.RECOMPUTE_CHAIN, 0))
-            if (Decision.RECOMPUTE, 1) in modes:
-                modes.append((Decision.RECOMPUTE_CHAIN, 1))
+        modes = unit_modes(model, i, lossy=compress is not None)
         if warm is not None:  # the warm plan's mode: compact forms as stored where it stores a tensor lossily
             warm_on = int(u in warm[1])
             if warm_on and (warm[0][u], 2) in modes and any(region_of(key) == u for key in warm[2]):
