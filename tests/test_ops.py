@@ -1251,22 +1251,29 @@ def test_conv_split_backward_gives_its_input_gradient_the_input_the_weight_gradi
 
     seen = {}
     for case in ("shared", "alone", "recomputed", "frozen"):
+        torch.manual_seed(0)
         conv = nn.Conv2d(8, 4, 1, stride=2)
+        stock = copy.deepcopy(conv)
         install_impl(conv, "conv2d_split_backward")
-        conv.weight.requires_grad_(case != "frozen")
-        conv.bias.requires_grad_(case != "frozen")
+        for m in (conv, stock):
+            m.requires_grad_(case != "frozen")
         w = torch.randn(2, 8, 6, 6, requires_grad=True)
+        w_stock = w.detach().clone().requires_grad_(True)
+        (stock(w_stock * 2) * torch.arange(4.0).view(1, 4, 1, 1)).sum().backward()
         if case == "recomputed":
-            y = torch.utils.checkpoint.checkpoint(lambda t: conv(t * 2), w, use_reentrant=False).sum()
+            y = torch.utils.checkpoint.checkpoint(lambda t: conv(t * 2), w, use_reentrant=False)
             held = []
         else:
             h = w * 2
-            y = conv(h).sum()
+            y = conv(h)
             held = [h] if case == "shared" else []  # as the block's first conv holds the block input
             del h
         with _ConvInputs() as log:
-            y.backward()
+            (y * torch.arange(4.0).view(1, 4, 1, 1)).sum().backward()
         seen[case] = log.strides
         del held
+        assert torch.equal(w.grad, w_stock.grad), case  # gradients: the stock op's, bitwise
+        if case != "frozen":
+            assert torch.equal(conv.weight.grad, stock.weight.grad) and torch.equal(conv.bias.grad, stock.bias.grad)
     assert seen["shared"] == seen["alone"] == seen["recomputed"] == [(288, 36, 6, 1)]  # the input itself
     assert seen["frozen"] == [(0, 0, 0, 0)]  # nothing read it, and it is gone: a stand-in
