@@ -391,7 +391,7 @@ def test_a_recomputed_unit_keeps_no_outside_gain_on_the_inputs_its_checkpoint_ho
     """PyG's GraphSAGE runs ReLU and dropout (p=0: the ReLU output itself) between its convs, outside every unit.
     Their compact forms stop saving the ReLU output, so with every conv kept it goes inside the next conv's
     backward (0.46 MiB off the last conv's backward here); a recomputed conv's checkpoint holds it to the end of its
-    backward, but the cost model took the gain off all the same (0.49 MiB, 12% of the peak, over the prediction).
+    backward, but the cost model took the gain off all the same (a plan's peak 0.49 MiB, 12%, over its prediction).
     What switching the forms on changes at that point is now predicted as measured, and the program's peak for
     such a plan is the cost model's."""
     from zoomem.planner import solve
@@ -454,7 +454,8 @@ def test_chains_across_a_stage_and_after_the_last_unit_hold_what_the_plan_predic
     block's forward here, 0.2 MiB at the head's. With compact forms the block's split convs ran their input
     gradients on input-sized stand-ins while the recomputed input was alive (1 MiB low at its backward), and
     ``plan_points`` compared a chained unit's backward, which runs inside the stretch before it, with nothing
-    (that stretch read up to 286 MiB low on ResNet-50 b16 at 224 px). No point is predicted low now."""
+    (that stretch read up to 205 MiB low on ResNet-50 b16 at 224 px: ``scripts/random_plans.py``, BENCHMARKS.md,
+    "Stop 36"). No point is predicted low now."""
     from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
