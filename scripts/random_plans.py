@@ -81,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         error = worst[2] - worst[1]
         modes = " ".join(SHORT[u.decision] + "+c" * u.compact for u in plan.units)
         print(f"plan {k}: {modes}{' | outside compact' if plan.outside_compact else ''}")
+        # the point predicted furthest above what it measures (a recomputed unit's recompute point measures its
+        # stretch's start, against the larger prediction of it and its backward: not compared here)
+        high = min((t for t in points if t[0].phase != "recompute"), key=lambda t: t[2] - t[1])
         print(f"   peak predicted {predicted / MIB:.2f} MiB, measured {measured / MIB:.2f} (bytes above the step's "
-              f"start); worst point {worst[0].phase} {worst[0].seg}: measured {error / MIB:+.2f} MiB over")
+              f"start); worst point {worst[0].phase} {worst[0].seg}: measured {error / MIB:+.2f} MiB over; "
+              f"most over-predicted {high[0].phase} {high[0].seg}: {high[1] / MIB:.2f} against {high[2] / MIB:.2f}")
         if measured - predicted > args.tolerance * 1024:
             over_peak.append((k, (measured - predicted) / MIB))
         if error > args.tolerance * 1024:

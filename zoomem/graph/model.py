@@ -102,6 +102,9 @@ class OpGraph:
         compact_recompute_units: those of ``compact_units`` whose compact forms all run inside the unit, so a
             recomputation of the unit runs them again: forms of its modules, and of the unit's own module where
             zoomem's forward of the unit runs them (``runtime.compact.UNIT_INNER``), not where they wrap it.
+        forward_excess: per unit segment, its forward's rise without autograd above what it leaves behind
+            (:func:`~zoomem.graph.timeline.measure_forward_excess`); filled by the runtime when it plans and some
+            unit can drop its input (what bringing that input back costs), else empty.
     """
 
     model: str
@@ -122,6 +125,7 @@ class OpGraph:
     timeline_compact: list[SegmentStat] = field(default_factory=list)
     compact_units: list[str] = field(default_factory=list)
     compact_recompute_units: list[str] = field(default_factory=list)
+    forward_excess: dict[int, int] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- derived figures
     @property
@@ -223,6 +227,7 @@ class OpGraph:
         d["timeline"] = [SegmentStat(**t) for t in d.get("timeline", [])]
         d["timeline_outside"] = [SegmentStat(**t) for t in d.get("timeline_outside", [])]
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
+        d["forward_excess"] = {int(k): int(v) for k, v in d.get("forward_excess", {}).items()}
         return cls(**d)
 
     @classmethod

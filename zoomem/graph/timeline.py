@@ -9,10 +9,11 @@ segments by markers only: a unit's forward (module hooks), the code between unit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from ..adapters import Unit
 from ..batch import Batch
 from ..measure import MemoryMeter
 
-__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_timeline"]
+__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_forward_excess", "measure_timeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,58 @@ def measure_timeline(
     What the step changes is put back afterwards: gradients, buffers (BatchNorm statistics), the RNG state.
     Returns an empty list, with a log line, when a profiler or :class:`MemoryMeter` is already running.
     """
+    if _meter_busy():
+        return []
+    with _restored(model, batch), torch.enable_grad():
+        return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
+
+
+def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[int, int]:
+    """Per unit segment (1..n), the bytes its forward rises above what it leaves behind when it runs without
+    autograd, as :class:`zoomem.runtime.chain.Recipe` runs it to bring a dropped input back: its scratch beyond
+    its outputs, far below the rise of the traced forward, which saves every intermediate (ResNet-50's bottleneck:
+    a few feature maps against a dozen). A unit called twice counts its larger call. The step's state is put
+    back afterwards, as :func:`measure_timeline` does; empty when a profiler or meter is running."""
+    if _meter_busy():
+        return {}
+    seg_of = {u.module: i + 1 for i, u in enumerate(units)}
+    meter = MemoryMeter(model, batch)
+    marks: list[int] = []  # the segment each phase of the meter closes (0: code outside the units)
+
+    def mark(seg: int) -> None:
+        meter.mark(f"{len(marks)}:{seg}")
+        marks.append(seg)
+
+    handles = []
+    for u in units:
+        handles.append(u.module.register_forward_pre_hook(lambda mod, args: mark(0)))
+        handles.append(u.module.register_forward_hook(lambda mod, args, out: mark(seg_of[mod])))
+    try:
+        with _restored(model, batch), torch.no_grad(), meter:
+            batch.call(model)
+            mark(0)
+    finally:
+        for h in handles:
+            h.remove()
+    excess: dict[int, int] = {}
+    for seg, stat in zip(marks, meter.report.phases.values()):
+        if seg:
+            excess[seg] = max(excess.get(seg, 0), stat.peak_bytes - stat.end_bytes)
+    return excess
+
+
+def _meter_busy() -> bool:
     from .. import measure
 
     if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
-        logger.info("a profiler or MemoryMeter is running, so the step's memory timeline is not measured")
-        return []
+        logger.info("a profiler or MemoryMeter is running, so the step's memory is not measured")
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module, batch: Batch) -> Iterator[None]:
+    """Put back what a measured step changes: gradients, buffers (BatchNorm statistics), the RNG state."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = list(model.buffers())
@@ -101,8 +149,8 @@ def measure_timeline(
     try:
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
+        with torch.random.fork_rng(devices=devices):
+            yield
     finally:
         with torch.no_grad():
             for b, old in zip(buffers, saved):

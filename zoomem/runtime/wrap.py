@@ -25,7 +25,7 @@ from torch import nn
 from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..graph import OpGraph, trace
-from ..graph.timeline import BackwardWindow, ForwardWindow, measure_timeline
+from ..graph.timeline import BackwardWindow, ForwardWindow, measure_forward_excess, measure_timeline
 from ..measure import holder_bytes, is_out_of_memory
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte, seconds_per_call
 from ..compress.triton_kernels import use_triton
@@ -354,6 +354,9 @@ def cost_model(
         finally:
             undo()
     costs = CostModel.from_graph(graph, stored_compact=stored)
+    if costs.chain and not graph.forward_excess and graph.timeline:  # what bringing a dropped input back costs
+        graph.forward_excess = measure_forward_excess(model, batch, units)
+        costs.forward_excess = dict(graph.forward_excess)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     costs.backward_windows = windows or []
     costs.forward_windows = forward_windows or []
