@@ -65,6 +65,7 @@ def test_trace_matches_meter_and_leaves_state(model_id: str) -> None:
 def test_json_round_trip_and_summary() -> None:
     model, adapter, batch = zoo.small("timm/resnet18")
     graph = zoomem.trace(model, batch, adapter=adapter)
+    graph.forward_excess = {1: 4096, 2: 0}  # as planning fills it in: integer segments, not JSON's string keys
     again = OpGraph.from_json(graph.to_json())
     assert again == graph
     text = graph.summary()
@@ -143,3 +144,26 @@ def test_failure_keeps_training_mode_and_buffers() -> None:
     zoomem.trace(model, (torch.randn(4, 8),), adapter=_Seq(), loss_fn=lambda out, b: out.sum())
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_forward_excess_is_a_units_scratch_without_autograd() -> None:
+    """What a chain's recipe adds when it runs a unit again without autograd: its forward's rise above what it
+    leaves behind (its output). Linear -> ReLU -> Dropout -> Linear holds three hidden-sized tensors at most (ReLU's
+    output, dropout's float mask and its output) and leaves the output: 3 hidden - out, in bytes, where the traced
+    rise holds every intermediate to the end. BatchNorm's statistics and the RNG are as they were."""
+    from zoomem.graph.timeline import measure_forward_excess
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Dropout(0.5), nn.Linear(256, 8)), nn.BatchNorm1d(8)]
+    model = nn.Sequential(*blocks)
+    batch = zoomem.Batch.of(torch.randn(32, 8))
+    units = [Unit(name=str(i), module=m) for i, m in enumerate(blocks)]
+    state, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+
+    excess = measure_forward_excess(model, batch, units)
+
+    hidden, out = 32 * 256 * 4, 32 * 8 * 4
+    assert excess[1] == 3 * hidden - out
+    assert set(excess) == {1, 2}
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()), "running statistics changed"
