@@ -505,6 +505,32 @@ def test_bringing_a_dropped_input_back_costs_its_forward_without_autograd() -> N
     zoomem.unwrap(model)
 
 
+def test_a_cheap_recomputation_is_priced_as_the_runtime_runs_it() -> None:
+    """``RECOMPUTE_CHEAP`` takes a block's conv outputs from the forward's cache, held (and counted) already, and
+    recomputes BatchNorm and ReLU around them: its recomputation rises by their tensors alone, where the cost model
+    added the traced forward's whole rise (3 MiB high here; 171 MiB at ResNet-50 b16 224 px, BENCHMARKS.md "Stop
+    37"). Measured in one step as the runtime runs it, the point is exact; the step leaves no trace in the model."""
+    from zoomem.planner.costs import CostModel
+    from zoomem.runtime.wrap import plan_points
+
+    model, adapter, batch = zoo.small("timm/resnet50", batch_size=8)
+    state, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    handle = model._zoomem
+    plan = copy.deepcopy(next(iter(handle.plans.values())))
+    costs = CostModel.from_graph(handle.last_graph)
+    assert set(costs.transient_cheap) == set(range(1, len(costs.units) + 1))
+    assert costs.transient_cheap[2] < costs.transient[2] * 0.7
+    plan.units[1].decision = Decision.RECOMPUTE_CHEAP
+    points = {(p.phase, p.seg): (v, got) for p, v, got in plan_points(model, plan, costs, batch)}
+    predicted, measured = points["backward", 2]  # its recomputation runs in this stretch (plan_points)
+    assert measured is not None and abs(predicted - measured) < 64 * 1024, (predicted, measured)
+    zoomem.unwrap(model)
+
+
 @pytest.mark.parametrize("model_id", ["timm/resnet50", "hf/bert-base-uncased"])
 def test_dropped_inputs_come_back_bitwise(model_id: str) -> None:
     """``sqrt`` (Chen et al.'s segments) drops the input of every unit after a segment's first

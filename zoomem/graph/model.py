@@ -105,6 +105,9 @@ class OpGraph:
         forward_excess: per unit segment, its forward's rise without autograd above what it leaves behind
             (:func:`~zoomem.graph.timeline.measure_forward_excess`); filled by the runtime when it plans and some
             unit can drop its input (what bringing that input back costs), else empty.
+        cheap_rise: per unit segment with a ``RECOMPUTE_CHEAP`` mode, what its recomputation rises in backward,
+            measured as the runtime runs it (:func:`~zoomem.runtime.units.measure_recompute_rises`); filled by
+            the runtime when it plans.
     """
 
     model: str
@@ -126,6 +129,7 @@ class OpGraph:
     compact_units: list[str] = field(default_factory=list)
     compact_recompute_units: list[str] = field(default_factory=list)
     forward_excess: dict[int, int] = field(default_factory=dict)
+    cheap_rise: dict[int, int] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- derived figures
     @property
@@ -228,6 +232,7 @@ class OpGraph:
         d["timeline_outside"] = [SegmentStat(**t) for t in d.get("timeline_outside", [])]
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         d["forward_excess"] = {int(k): int(v) for k, v in d.get("forward_excess", {}).items()}
+        d["cheap_rise"] = {int(k): int(v) for k, v in d.get("cheap_rise", {}).items()}
         return cls(**d)
 
     @classmethod

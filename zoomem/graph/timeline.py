@@ -22,7 +22,8 @@ from ..adapters import Unit
 from ..batch import Batch
 from ..measure import MemoryMeter
 
-__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_forward_excess", "measure_timeline"]
+__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_forward_excess", "measure_timeline", "meter_busy",
+           "restored_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,9 @@ def measure_timeline(
     What the step changes is put back afterwards: gradients, buffers (BatchNorm statistics), the RNG state.
     Returns an empty list, with a log line, when a profiler or :class:`MemoryMeter` is already running.
     """
-    if _meter_busy():
+    if meter_busy():
         return []
-    with _restored(model, batch), torch.enable_grad():
+    with restored_state(model, batch), torch.enable_grad():
         return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
 
 
@@ -101,7 +102,7 @@ def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) ->
     its outputs, far below the rise of the traced forward, which saves every intermediate (ResNet-50's bottleneck:
     a few feature maps against a dozen). A unit called twice counts its larger call. The step's state is put
     back afterwards, as :func:`measure_timeline` does; empty when a profiler or meter is running."""
-    if _meter_busy():
+    if meter_busy():
         return {}
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}
     meter = MemoryMeter(model, batch)
@@ -116,7 +117,7 @@ def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) ->
         handles.append(u.module.register_forward_pre_hook(lambda mod, args: mark(0)))
         handles.append(u.module.register_forward_hook(lambda mod, args, out: mark(seg_of[mod])))
     try:
-        with _restored(model, batch), torch.no_grad(), meter:
+        with restored_state(model, batch), torch.no_grad(), meter:
             batch.call(model)
             mark(0)
     finally:
@@ -129,7 +130,8 @@ def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) ->
     return excess
 
 
-def _meter_busy() -> bool:
+def meter_busy() -> bool:
+    """Whether a profiler or :class:`MemoryMeter` is running already (then nothing here can measure), logged."""
     from .. import measure
 
     if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
@@ -139,7 +141,7 @@ def _meter_busy() -> bool:
 
 
 @contextlib.contextmanager
-def _restored(model: nn.Module, batch: Batch) -> Iterator[None]:
+def restored_state(model: nn.Module, batch: Batch) -> Iterator[None]:
     """Put back what a measured step changes: gradients, buffers (BatchNorm statistics), the RNG state."""
     params = list(model.parameters())
     grads = [p.grad for p in params]

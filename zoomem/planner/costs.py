@@ -165,6 +165,10 @@ class CostModel:
     forward_excess: dict[int, int] = field(default_factory=dict)
     """Unit segment -> its forward's rise without autograd above what it leaves behind, as a chain's recipe runs
     it (:attr:`~zoomem.graph.OpGraph.forward_excess`; measured only where some unit can drop its input)."""
+    transient_cheap: dict[int, int] = field(default_factory=dict)
+    """Unit segment -> what its recomputation under ``RECOMPUTE_CHEAP`` rises, measured as the runtime runs it
+    (:attr:`~zoomem.graph.OpGraph.cheap_rise`): its matmul/conv outputs come from the cache, held already. Absent:
+    ``transient``, the traced rise, which bounds it (ResNet-50's first block 171 MiB high at batch 16)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,7 +345,7 @@ class CostModel:
         stored, _ = _compact_savings(graph.compact_units, seg_of_unit, base, stored_compact or [], every=True)
         if outside_gain:
             compact_s[OUTSIDE_UNITS] = outside_s
-        return cls(
+        costs = cls(
             units=units,
             fixed_bytes=graph.fixed_bytes,
             storages=list(storages.values()),
@@ -357,10 +361,11 @@ class CostModel:
             outside_gain=outside_gain,
             chain=chain,
             chain_held_to=chain_held_to,
-            forward_excess=dict(graph.forward_excess),
             compact_saving_stored=stored,
             after_peaks=frozenset(after_peaks),
         )
+        costs.take_rises(graph)
+        return costs
 
     def attach_saved(self, infos: list[SavedInfo], grad_sq: float, seconds_per_byte: dict[int, float],
                      fused: bool | None = None, seconds_per_call: dict[int, float] | None = None) -> None:
@@ -741,7 +746,8 @@ class CostModel:
         chain = np.array([decisions.get(u) == Decision.RECOMPUTE_CHAIN for u in self.units], dtype=np.float64)
         held = (m["pinned"] | (m["savers"] @ keep > 0) | (m["inputs"] @ (1 - keep) > 0) | (m["cheap"] @ cheap > 0)
                 | (m["chained"] @ chain > 0))
-        values = m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep)
+        values = (m["measured"] + m["coef"] @ (held.astype(np.float64) - m["base"]) + m["transient"] @ (1 - keep - cheap)
+                  + m["transient_cheap"] @ cheap)
         if m["prefix_i"].size:  # held only by the holders whose backward has not run yet (prefix_terms)
             early = ((m["prefix_savers"] @ keep > 0) | (m["prefix_inputs"] @ (1 - keep) > 0)
                      | (m["prefix_cheap"] @ cheap > 0) | (m["prefix_chained"] @ chain > 0))
@@ -822,6 +828,20 @@ class CostModel:
         rise = self.forward_excess.get(run, self.transient.get(run, 0))
         return max(0, rise - self.transient.get(seg, 0))
 
+    def take_rises(self, graph: OpGraph) -> None:
+        """Take the rises the runtime measured into ``graph`` after this model was made from it (it measures
+        them only where this model has chains or cheap modes): ``forward_excess``, ``transient_cheap``."""
+        rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
+        self.forward_excess = dict(graph.forward_excess)
+        self.transient_cheap = {seg: rise + rng for seg, rise in graph.cheap_rise.items()}
+        self.__dict__.pop("_matrix_cache", None)
+
+    def recompute_transient(self, seg: int, decision: Decision) -> int:
+        """Bytes unit ``seg``'s recomputation adds at its recompute point under ``decision`` (not ``KEEP``)."""
+        if decision == Decision.RECOMPUTE_CHEAP and seg in self.transient_cheap:
+            return self.transient_cheap[seg]
+        return self.transient.get(seg, 0)
+
     def _recompute_point(self, seg: int) -> int | None:
         return next((i for i, p in enumerate(self.points) if p.phase == "recompute" and p.seg == seg), None)
 
@@ -842,7 +862,7 @@ class CostModel:
             for seg in s.chained_by:
                 chained[j, seg - 1] = 1
         coef = np.zeros((npt, ns))
-        transient = np.zeros((npt, n))
+        transient, transient_cheap = np.zeros((npt, n)), np.zeros((npt, n))
         gain_keep, gain_rec, gain_stored = np.zeros((npt, n)), np.zeros((npt, n)), np.zeros((npt, n))
         outside_lost = np.zeros((npt, n))
         for i in range(npt):
@@ -854,6 +874,7 @@ class CostModel:
                 coef[i, index[id(s)]] = c
             if p.phase == "recompute" and 1 <= p.seg <= n:
                 transient[i, p.seg - 1] = self.transient.get(p.seg, 0)
+                transient_cheap[i, p.seg - 1] = self.recompute_transient(p.seg, Decision.RECOMPUTE_CHEAP)
             for k, u in enumerate(self.units):
                 if u in self.compact_saving:
                     gain_keep[i, k] = self.compact_gain(p, u, Decision.KEEP)
@@ -875,6 +896,7 @@ class CostModel:
             "base": np.array([float(s.base_held) for s in self.storages]),
             "measured": np.array([float(p.measured) for p in self.points]),
             "savers": savers, "inputs": inputs, "cheap": cheap, "chained": chained, "coef": coef, "transient": transient,
+            "transient_cheap": transient_cheap,
             "gain_keep": gain_keep, "gain_rec": gain_rec, "gain_stored": gain_stored,
             "outside": np.array([float(g) for g in self.outside_gain]) if self.outside_gain else np.zeros(npt),
             "outside_lost": outside_lost,

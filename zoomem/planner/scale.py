@@ -113,6 +113,7 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
         recompute_cheap_s=times(small.recompute_cheap_s, large.recompute_cheap_s),
         transient={k: by(small.transient[k], v) for k, v in large.transient.items()},
         forward_excess={k: max(0, by(small.forward_excess[k], v)) for k, v in large.forward_excess.items()},
+        transient_cheap={k: max(0, by(small.transient_cheap[k], v)) for k, v in large.transient_cheap.items()},
         saved_bytes={k: max(0, by(small.saved_bytes.get(k, 0), v)) for k, v in large.saved_bytes.items()},
         step_s=scale.seconds(small.step_s, large.step_s),
         compact_saving=compact,
@@ -170,6 +171,7 @@ def _check_same(a: CostModel, b: CostModel) -> None:
         ("chainable unit inputs", lambda c: c.chain),
         ("recompute transients", lambda c: sorted(c.transient)),
         ("forward excesses", lambda c: sorted(c.forward_excess)),
+        ("cheap recompute rises", lambda c: sorted(c.transient_cheap)),
     ]
     for what, get in checks:
         x, y = get(a), get(b)

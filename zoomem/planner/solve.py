@@ -382,8 +382,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         for (u, d, on), v in x.items():
             if on:  # a gain can be negative (a cost)
                 expr -= model.compact_gain(p, u, d, stored=on == 2) * v
-        if p.phase == "recompute" and 1 <= p.seg <= len(model.units) and model.transient.get(p.seg):
-            expr += model.transient[p.seg] * (1 - keep(p.seg))
+        if p.phase == "recompute" and 1 <= p.seg <= len(model.units):  # the unit's recomputation, as its mode runs it
+            full, part = model.transient.get(p.seg, 0), model.recompute_transient(p.seg, Decision.RECOMPUTE_CHEAP)
+            expr += full * (1 - keep(p.seg) - cheap(p.seg)) + part * cheap(p.seg)
         gains = [v * (by_key[key][0].nbytes - by_key[key][0].packed_nbytes(b)) for (key, b), v in q.items()
                  if (p.seg > alive[key] if p.phase == "forward" else
                      p.seg > by_key[key][1] or (p.seg == by_key[key][1] and at_start[i]

@@ -35,14 +35,14 @@ from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bi
 from ..ops import Impl
 from ..ops.functional import separate_masks, stores_lossily
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
-from ..planner.solve import SAFETY_MARGIN, min_feasible_budget
+from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
 from .distributed import from_rank0, world_size
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
 from .storage import SavedTensorStore
 from .chain import Chain, Recipe
-from .units import restore_buffers, run_unit
+from .units import measure_recompute_rises, restore_buffers, run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
 
@@ -356,7 +356,11 @@ def cost_model(
     costs = CostModel.from_graph(graph, stored_compact=stored)
     if costs.chain and not graph.forward_excess and graph.timeline:  # what bringing a dropped input back costs
         graph.forward_excess = measure_forward_excess(model, batch, units)
-        costs.forward_excess = dict(graph.forward_excess)
+    cheap = {u: Decision.RECOMPUTE_CHEAP for i, u in enumerate(costs.units)
+             if (Decision.RECOMPUTE_CHEAP, 0) in unit_modes(costs, i)}
+    if cheap and not graph.cheap_rise and graph.timeline:  # what recomputing only the cheap ops holds
+        graph.cheap_rise = measure_recompute_rises(model, batch, loss, units, cheap, adapter.recompute_kwargs)
+    costs.take_rises(graph)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
     costs.backward_windows = windows or []
     costs.forward_windows = forward_windows or []
