@@ -430,6 +430,7 @@ def _plan_info(plan: Any) -> dict[str, Any]:
         "predicted_peak_mib": plan.predicted_peak_bytes / MIB,
         "predicted_pytorch_peak_mib": plan.baseline_peak_bytes / MIB,
         "predicted_overhead": plan.overhead,
+        "lp_bound_s": plan.lp_bound,  # the relaxation's recompute seconds: how far from proven the plan may be
         "solve_s": plan.solve_s,
         "solver": plan.solver,
         "status": plan.status,

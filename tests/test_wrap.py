@@ -508,7 +508,7 @@ def test_bringing_a_dropped_input_back_costs_its_forward_without_autograd() -> N
 def test_a_cheap_recomputation_is_priced_as_the_runtime_runs_it() -> None:
     """``RECOMPUTE_CHEAP`` takes a block's conv outputs from the forward's cache, held (and counted) already, and
     recomputes BatchNorm and ReLU around them: its recomputation rises by their tensors alone, where the cost model
-    added the traced forward's whole rise (3 MiB high here; 171 MiB at ResNet-50 b16 224 px, BENCHMARKS.md "Stop
+    added the traced forward's whole rise (3 MiB high here; 122.5 MiB at ResNet-50 b16 224 px, BENCHMARKS.md "Stop
     37"). Measured in one step as the runtime runs it, the point is exact; the step leaves no trace in the model."""
     from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points

@@ -168,7 +168,7 @@ class CostModel:
     transient_cheap: dict[int, int] = field(default_factory=dict)
     """Unit segment -> what its recomputation under ``RECOMPUTE_CHEAP`` rises, measured as the runtime runs it
     (:attr:`~zoomem.graph.OpGraph.cheap_rise`): its matmul/conv outputs come from the cache, held already. Absent:
-    ``transient``, the traced rise, which bounds it (ResNet-50's first block 171 MiB high at batch 16)."""
+    ``transient``, the traced rise, which bounds it (ResNet-50's first block 122.5 MiB high at batch 16)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod

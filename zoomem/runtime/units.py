@@ -167,9 +167,10 @@ def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[A
     above where it starts, in one training step that runs those units as :func:`run_unit` does.
 
     What the traced forward's rise cannot tell: ``RECOMPUTE_CHEAP`` takes its matmul/conv outputs from the
-    forward's cache, so it allocates only the cheap ops' tensors (on ResNet-50's first block, 171 MiB of the
-    traced 300 at batch 16). The step's state is put back (:func:`~zoomem.graph.timeline.restored_state`); empty
-    when a profiler or meter is running. ``recompute_kwargs``: the adapter's, as the runtime applies them."""
+    forward's cache, so it allocates only the cheap ops' tensors (ResNet-50's first block at batch 16, 224 px: its
+    four conv outputs, 122.5 MiB, less than the traced rise). The step's state is put back
+    (:func:`~zoomem.graph.timeline.restored_state`); empty when a profiler or meter is running.
+    ``recompute_kwargs``: the adapter's, as the runtime applies them."""
     if meter_busy():
         return {}
     meter = MemoryMeter(model, batch)
