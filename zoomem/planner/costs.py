@@ -654,19 +654,22 @@ class CostModel:
         that several units hold is held only by those whose backward has not run yet, the ones at segments up to
         ``last`` (DenseNet's feature maps, each taken by every later layer of its block: kept alive by the latest
         recomputed one only until that one's backward). There it counts ``c * (held by those - held in plain
-        PyTorch by its savers among them)`` in place of ``c * (h - base_held)``. Dropped chain inputs are
-        counted by :meth:`chain_points` instead."""
+        PyTorch by its savers among them)`` in place of ``c * (h - base_held)``. A unit's output that the next
+        unit takes is one (saved by both: timm's block output, which the next block's first conv saves): at the
+        previous unit's recompute point the next one's backward has run, so only the previous unit holds it, if it
+        keeps its tensors (counted held to the end before stop 37: ResNet-50 b16, 49 MiB high at the first block's
+        recompute point). Where the next unit drops it (``RECOMPUTE_CHAIN``), :meth:`chain_points` counts it at
+        that unit's backward and later, points these terms never reach (they stop before the last holder)."""
         cache = self.__dict__.get("_prefix_cache")
         if cache is not None:
             return cache
-        chained = set(self.chain.values())
         out = []
         for i, p in enumerate(self.points):
             if p.phase == "forward" or p.seg > len(self.units):
                 continue
             counted = {id(t) for t, _ in self._coefficients(p)}
             for j, s in enumerate(self.storages):
-                if j in chained or id(s) not in counted:
+                if id(s) not in counted:
                     continue
                 holders = s.savers | s.input_of | s.cheap_kept_by | s.chained_by
                 if max(holders) <= p.seg:

@@ -314,8 +314,6 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
 
     def chain_held(s, i):  # type: ignore[no-untyped-def]
         seg = chain_of[s.sid]
-        if (seg, i) not in at:
-            return h[s.sid]
         last = at[seg, i]
         if last is None or last - seg >= MAX_CHAIN:  # absent (a longer run of dropped inputs is ruled out)
             return h[s.sid] - drop[seg]
@@ -333,7 +331,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     early: dict[tuple[int, int], pulp.LpVariable | int] = {}
 
     def held_term(s, i):  # type: ignore[no-untyped-def]
-        if s.sid in chain_of:
+        if s.sid in chain_of and (chain_of[s.sid], i) in at:
             return chain_held(s, i) - int(s.base_held)
         j = index[id(s)]
         last, base = prefix.get((i, j), (None, s.base_held))
