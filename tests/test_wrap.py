@@ -387,6 +387,17 @@ def test_a_recomputed_conv_holds_its_edge_list_not_its_adjacency() -> None:
     assert len(errors) == len(plan.units) + 2 and all(abs(e) < 0.05 for e in errors), errors
 
 
+def _wrapped_plain(model_id: str, batch_size: int | None = None) -> tuple[nn.Module, zoomem.Batch, Plan, Any]:
+    """A small zoo model wrapped as plain PyTorch: the model, its batch, a copy of its plan to set modes on, and the
+    cost model it was planned from (what ``plan_points`` compares a plan's points with)."""
+    from zoomem.planner.costs import CostModel
+
+    model, adapter, batch = zoo.small(model_id, **({} if batch_size is None else {"batch_size": batch_size}))
+    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    return model, batch, copy.deepcopy(next(iter(handle.plans.values()))), CostModel.from_graph(handle.last_graph)
+
+
 def test_a_recomputed_unit_keeps_no_outside_gain_on_the_inputs_its_checkpoint_holds() -> None:
     """PyG's GraphSAGE runs ReLU and dropout (p=0: the ReLU output itself) between its convs, outside every unit.
     Their compact forms stop saving the ReLU output, so with every conv kept it goes inside the next conv's
@@ -395,15 +406,10 @@ def test_a_recomputed_unit_keeps_no_outside_gain_on_the_inputs_its_checkpoint_ho
     What switching the forms on changes at that point is now predicted as measured, and the program's peak for
     such a plan is the cost model's."""
     from zoomem.planner import solve
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.compact import OUTSIDE_UNITS
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("pyg/sage")
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _wrapped_plain("pyg/sage")
     at = [(p.phase, p.seg) for p in costs.points].index(("backward", len(plan.units)))
     assert costs.outside_lost(at) is not None
     for u in plan.units[1:]:  # recomputed with their SpMM forms (a small recomputation: the backward point peaks)
@@ -456,16 +462,11 @@ def test_chains_across_a_stage_and_after_the_last_unit_hold_what_the_plan_predic
     ``plan_points`` compared a chained unit's backward, which runs inside the stretch before it, with nothing
     (that stretch read up to 205 MiB low on ResNet-50 b16 at 224 px: ``scripts/random_plans.py``, BENCHMARKS.md,
     "Stop 36"). No point is predicted low now."""
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("timm/resnet50", batch_size=8)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _wrapped_plain("timm/resnet50", batch_size=8)
     names = [u.name for u in plan.units]
-    assert handle.last_graph.unit("layer2.0").inputs_held_to == names.index("layer2.3") + 1
+    assert model._zoomem.last_graph.unit("layer2.0").inputs_held_to == names.index("layer2.3") + 1
     # the stem's compact forms (max-pool offsets, ReLU mask) hold less through every unit's backward, recomputed or
     # not: none of it is lost (the stem's own backward, where they are used up, gains nothing and does not count)
     assert not any(costs.outside_lost(i) for i in range(len(costs.points))), costs.outside_gain
@@ -487,14 +488,9 @@ def test_bringing_a_dropped_input_back_costs_its_forward_without_autograd() -> N
     few feature maps at once, not the dozen its traced forward saves; the cost model priced it at the traced rise,
     so the stretch where the chain comes back was predicted 4 MiB high here (112 MiB, 23%, on ResNet-50 b16 at
     224 px: BENCHMARKS.md, "Stop 37"). With the rise measured as the recipe runs it, it is exact."""
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("timm/resnet50", batch_size=8)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _wrapped_plain("timm/resnet50", batch_size=8)
     assert costs.chain and set(costs.forward_excess) == set(range(1, len(costs.units) + 1))
     assert costs.forward_excess[1] < costs.transient[1] / 2
     plan.units[0].decision, plan.units[1].decision = Decision.RECOMPUTE, Decision.RECOMPUTE_CHAIN
@@ -510,14 +506,9 @@ def test_a_cheap_recomputation_holds_the_matmul_outputs_its_unit_does_not_save()
     and MLP output, added to the residual): plain PyTorch has freed them by the unit's backward, the cache has not.
     Counted there now; the block's backward measured 102 KiB (one such tensor) above its prediction before, once
     its recomputation was measured rather than counted at the traced rise, which had hidden it."""
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("timm/vit_tiny_patch16_224", batch_size=8)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _wrapped_plain("timm/vit_tiny_patch16_224", batch_size=8)
     unsaved = [s.nbytes for s in costs.storages if 1 in s.cheap_kept_by and not s.savers and not s.base_held]
     assert len(unsaved) == 2, unsaved
     plan.units[0].decision = Decision.RECOMPUTE_CHEAP
@@ -534,14 +525,9 @@ def test_a_recomputed_blocks_output_is_not_held_once_the_next_blocks_backward_ha
     recomputation runs) are now exact, whether the next block keeps its tensors or drops that output (a chain),
     and the program prices the plan as the cost model does."""
     from zoomem.planner import solve
-    from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("timm/resnet50", batch_size=8)
-    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
-    handle = model._zoomem
-    plan = copy.deepcopy(next(iter(handle.plans.values())))
-    costs = CostModel.from_graph(handle.last_graph)
+    model, batch, plan, costs = _wrapped_plain("timm/resnet50", batch_size=8)
     modes = {"layer1.0": Decision.RECOMPUTE, "layer2.1": Decision.RECOMPUTE, "layer2.2": Decision.RECOMPUTE_CHAIN,
              "layer3.1": Decision.RECOMPUTE_CHEAP}
     for unit in plan.units:
