@@ -643,11 +643,12 @@ class CostModel:
             else:
                 needed_by = s.savers | s.input_of | s.cheap_kept_by | s.chained_by
                 alive = bool(needed_by) and k >= min(needed_by)
-                if point.phase == "backward" and (k in s.savers or k in s.cheap_kept_by and s.base_held):
-                    alive = False  # kept, or rematerialised for this unit's own backward
-                # a matmul output its own unit does not save (ViT's attention projection, its MLP's second linear)
-                # is gone by that backward in plain PyTorch; cached for RECOMPUTE_CHEAP it is there (one of them
-                # 102 KiB above the prediction at 64 px b8, hidden once the recomputation was counted high)
+                # kept, or rematerialised for this unit's own backward; but a matmul output its own unit does not
+                # save (ViT's attention projection, its MLP's second linear) is gone by that backward in plain
+                # PyTorch, and cached for RECOMPUTE_CHEAP it is there (one of them 102 KiB above the prediction at
+                # 64 px b8, hidden while the recomputation was counted high)
+                if point.phase == "backward" and (k in s.savers or (k in s.cheap_kept_by and s.base_held)):
+                    alive = False
             if alive:
                 out.append((s, s.nbytes))
         return out
