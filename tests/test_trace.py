@@ -167,3 +167,21 @@ def test_forward_excess_is_a_units_scratch_without_autograd() -> None:
     assert set(excess) == {1, 2}
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()), "running statistics changed"
+
+
+def test_rises_are_not_measured_inside_an_open_meter() -> None:
+    """Planning inside a user's :class:`MemoryMeter` (``measure_step`` around a first step) cannot open a second
+    meter: both measurements give nothing (the cost model keeps the traced rises, which bound them) and run nothing."""
+    from zoomem.graph.timeline import measure_forward_excess
+    from zoomem.planner import Decision
+    from zoomem.runtime.units import measure_recompute_rises
+
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=2)
+    units = adapter.units(model)
+    state = copy.deepcopy(model.state_dict())
+    with zoomem.MemoryMeter(model, batch):
+        assert measure_forward_excess(model, batch, units) == {}
+        assert measure_recompute_rises(model, batch, lambda out, b: adapter.loss(model, b, out), units,
+                                       {units[0].name: Decision.RECOMPUTE_CHEAP}) == {}
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
