@@ -108,6 +108,10 @@ class OpGraph:
         cheap_rise: per unit segment with a ``RECOMPUTE_CHEAP`` mode, what its recomputation rises in backward,
             measured as the runtime runs it (:func:`~zoomem.runtime.units.measure_recompute_rises`); filled by
             the runtime when it plans.
+        compact_recompute_held: per unit segment of ``compact_recompute_units`` whose forms let go of a tensor
+            early when it is kept: how many bytes its compact forms take off the peak of its backward when it is
+            recomputed (:func:`~zoomem.runtime.units.measure_recompute_held`, with the forms and without); filled
+            by the runtime when it plans.
     """
 
     model: str
@@ -130,6 +134,7 @@ class OpGraph:
     compact_recompute_units: list[str] = field(default_factory=list)
     forward_excess: dict[int, int] = field(default_factory=dict)
     cheap_rise: dict[int, int] = field(default_factory=dict)
+    compact_recompute_held: dict[int, int] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- derived figures
     @property
@@ -233,6 +238,7 @@ class OpGraph:
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         d["forward_excess"] = {int(k): int(v) for k, v in d.get("forward_excess", {}).items()}
         d["cheap_rise"] = {int(k): int(v) for k, v in d.get("cheap_rise", {}).items()}
+        d["compact_recompute_held"] = {int(k): int(v) for k, v in d.get("compact_recompute_held", {}).items()}
         return cls(**d)
 
     @classmethod

@@ -169,6 +169,10 @@ class CostModel:
     """Unit segment -> what its recomputation under ``RECOMPUTE_CHEAP`` rises, measured as the runtime runs it
     (:attr:`~zoomem.graph.OpGraph.cheap_rise`): its matmul/conv outputs come from the cache, held already. Absent:
     ``transient``, the traced rise, which bounds it (ResNet-50's first block 122.5 MiB high at batch 16)."""
+    compact_recompute_held: dict[int, int] = field(default_factory=dict)
+    """Unit segment -> the bytes its compact forms take off its backward's peak when it is recomputed, measured as
+    the runtime runs it (:attr:`~zoomem.graph.OpGraph.compact_recompute_held`). Absent: the forms' ``held`` and
+    ``local_bwd`` plus a negative ``released`` (:meth:`compact_gain`)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -721,10 +725,13 @@ class CostModel:
             if decision != Decision.KEEP:  # the recomputation runs the compact forward again; what a form saves
                 # that outlives the forward anyway when kept (LayerNorm its output, the unit's) is a fresh copy now,
                 # held through this backward as when kept (a negative ``released``; RoBERTa's layer measured 15 KiB
-                # over its prediction without it). What a form lets go of earlier when kept (ReLU's output, a
-                # positive one) the checkpoint let go of already: as measured on ResNet-v2, nothing more.
-                return {"forward": local_fwd, "backward": held + min(0, released) + local_bwd, "after": 0}.get(
-                    point.phase, local_fwd)
+                # over its prediction without it). What a form lets go of earlier when kept (a positive one)
+                # depends on the model: a ResNet-v1 block's last ReLU saves its recomputed output plainly and lets
+                # it go compactly, a GPT-2 layer's form makes it again; measured where it exists
+                backward = held + min(0, released) + local_bwd
+                if not stored:
+                    backward = self.compact_recompute_held.get(seg, backward)
+                return {"forward": local_fwd, "backward": backward, "after": 0}.get(point.phase, local_fwd)
             return {"forward": local_fwd, "backward": held + released + local_bwd}.get(point.phase, held + released)
         return 0
 
@@ -837,10 +844,12 @@ class CostModel:
 
     def take_rises(self, graph: OpGraph) -> None:
         """Take the rises the runtime measured into ``graph`` after this model was made from it (it measures
-        them only where this model has chains or cheap modes): ``forward_excess``, ``transient_cheap``."""
+        them only where this model has chains, cheap modes or compact forms that let go early):
+        ``forward_excess``, ``transient_cheap``, ``compact_recompute_held``."""
         rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
         self.forward_excess = dict(graph.forward_excess)
         self.transient_cheap = {seg: rise + rng for seg, rise in graph.cheap_rise.items()}
+        self.compact_recompute_held = dict(graph.compact_recompute_held)
         self.__dict__.pop("_matrix_cache", None)
 
     def recompute_transient(self, seg: int, decision: Decision) -> int:

@@ -33,7 +33,7 @@ from .chain import Chain, bring_back
 from .compact import UNIT_INNER
 from .patch import set_forward
 
-__all__ = ["measure_recompute_rises", "restore_buffers", "run_unit"]
+__all__ = ["measure_recompute_held", "measure_recompute_rises", "restore_buffers", "run_unit"]
 
 @contextlib.contextmanager
 def restore_buffers(module: nn.Module) -> Iterator[None]:
@@ -171,32 +171,62 @@ def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[A
     four conv outputs, 122.5 MiB, less than the traced rise). The step's state is put back
     (:func:`~zoomem.graph.timeline.restored_state`); empty when a profiler or meter is running.
     ``recompute_kwargs``: the adapter's, as the runtime applies them."""
+    return {seg: rise for seg, (rise, _) in _measure_recomputations(
+        model, batch, loss_fn, units, decisions, recompute_kwargs).items()}
+
+
+def measure_recompute_held(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
+                           units: list[Unit], decisions: dict[str, Decision],
+                           recompute_kwargs: Callable[[nn.Module, dict], dict] | None = None) -> dict[int, int]:
+    """Per unit segment with a decision in ``decisions``: the peak of its backward after its recomputation, above
+    where the recomputation started, in one step run as :func:`measure_recompute_rises` runs it (the backward
+    ends where its input's gradient is ready; units whose input needs none are left out).
+
+    Measured with a unit's compact forms installed and without, it says what the forms take off a recomputed
+    unit's backward, which depends on the model: a ReLU ending a ResNet-v1 block saves its recomputed output
+    plainly and a 1-bit mask compactly (the output then goes at once); a form whose tensor the recomputation makes
+    anyway takes nothing more off (GPT-2, Llama). Empty when a profiler or meter is running."""
+    return {seg: held for seg, (_, held) in _measure_recomputations(
+        model, batch, loss_fn, units, decisions, recompute_kwargs).items() if held is not None}
+
+
+def _measure_recomputations(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
+                            units: list[Unit], decisions: dict[str, Decision],
+                            recompute_kwargs: Callable[[nn.Module, dict], dict] | None
+                            ) -> dict[int, tuple[int, int | None]]:
+    """Per unit segment with a decision: its recomputation's rise above its start, and the peak of the unit's
+    backward after it above the same start (``None`` where its input needs no gradient), in one training step
+    whose units in ``decisions`` run as :func:`run_unit` runs them, meter marks around each recomputation
+    (``run_unit``'s ``replay`` context) and where the unit's input gradient is ready; the state is put back."""
     if meter_busy():
         return {}
     meter = MemoryMeter(model, batch)
-    marks: list[int] = []  # per phase of the meter: the segment whose recomputation it is, else 0
+    marks: list[tuple[str, int]] = []  # per phase of the meter: what it ends ("replay"/"backward" of a segment)
 
-    def mark(seg: int) -> None:
-        meter.mark(f"{len(marks)}:{seg}")
-        marks.append(seg)
+    def mark(kind: str, seg: int) -> None:
+        meter.mark(f"{len(marks)}:{kind}:{seg}")
+        marks.append((kind, seg))
 
     def measured(seg: int, module: nn.Module, inner: Callable[..., Any], decision: Decision) -> Callable[..., Any]:
         @contextlib.contextmanager
         def replay() -> Iterator[None]:  # entered around the recomputation alone
-            mark(0)
+            mark("other", seg)
             try:
                 yield
             finally:
-                mark(seg)
+                mark("replay", seg)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if recompute_kwargs is not None and torch.is_grad_enabled():
                 kwargs = recompute_kwargs(module, kwargs)
+            first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if first is not None and torch.is_grad_enabled():  # its gradient ready: the unit's backward has run
+                hooks.append(first.register_hook(lambda grad: mark("backward", seg)))
             return run_unit(module, inner, decision, args, kwargs, replay)
 
         return forward
 
-    undos = []
+    undos, hooks = [], []
     for seg, u in enumerate(units, 1):
         if u.name in decisions:
             inner = getattr(u.module.forward, UNIT_INNER, [u.module.forward])[0]  # beneath zoomem's own forward
@@ -206,14 +236,19 @@ def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[A
             output = batch.call(model)
             loss_fn(output, batch).backward()
             del output
-            mark(0)
+            mark("other", 0)
     finally:
+        for hook in hooks:  # the step's inputs may outlive it (a leaf batch tensor)
+            hook.remove()
         for undo in reversed(undos):
             undo()
-    rises: dict[int, int] = {}
-    start = meter.report.baseline_bytes
-    for seg, stat in zip(marks, meter.report.phases.values()):
-        if seg:
-            rises[seg] = max(rises.get(seg, 0), stat.peak_bytes - start)
+    found: dict[int, tuple[int, int | None]] = {}
+    start = replayed = meter.report.baseline_bytes
+    for (kind, seg), stat in zip(marks, meter.report.phases.values()):
+        if kind == "replay":
+            replayed = start
+            found[seg] = (max(found.get(seg, (0, None))[0], stat.peak_bytes - start), None)
+        elif kind == "backward" and seg in found:
+            found[seg] = (found[seg][0], stat.peak_bytes - replayed)
         start = stat.end_bytes
-    return rises
+    return found
