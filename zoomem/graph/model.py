@@ -108,6 +108,9 @@ class OpGraph:
         cheap_rise: per unit segment with a ``RECOMPUTE_CHEAP`` mode, what its recomputation rises in backward,
             measured as the runtime runs it (:func:`~zoomem.runtime.units.measure_recompute_rises`); filled by
             the runtime when it plans.
+        compact_faster: those of ``compact_units`` (and ``"<outside>"``, the forms outside the units) with a form
+            that may run faster than the stock op (``zoomem.ops.Impl.may_be_faster``): only their time credits
+            are taken.
         compact_recompute_held: per unit segment of ``compact_recompute_units`` whose forms let go of a tensor
             early when it is kept: how many bytes its compact forms take off the peak of its backward when it is
             recomputed (:func:`~zoomem.runtime.units.measure_recompute_held`, with the forms and without); filled
@@ -135,6 +138,7 @@ class OpGraph:
     forward_excess: dict[int, int] = field(default_factory=dict)
     cheap_rise: dict[int, int] = field(default_factory=dict)
     compact_recompute_held: dict[int, int] = field(default_factory=dict)
+    compact_faster: list[str] = field(default_factory=list)
 
     # ----------------------------------------------------------------- derived figures
     @property

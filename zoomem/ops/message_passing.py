@@ -366,5 +366,6 @@ def register_message_passing_impl() -> Impl | None:
             "PyG conv aggregating through a CSR adjacency (SpMM) instead of E x F messages; simple graphs only; "
             "~1e-7 relative.",
             wraps_original=True,
+            may_be_faster=True,
         )
     )

@@ -320,6 +320,7 @@ def cost_model(
     chosen = choose_impls(model, units, batch, outside=True)
     loss = _loss(adapter, model, loss_fn)
     as_stored = separate_masks if lossy else contextlib.nullcontext
+    graph.compact_faster = sorted(u for u, pairs in chosen.items() if any(i.may_be_faster for _, i in pairs))
     graph.timeline_outside = []
     if chosen.get(OUTSIDE_UNITS) and graph.timeline:
         undo = install_all({OUTSIDE_UNITS: chosen[OUTSIDE_UNITS]})
