@@ -69,7 +69,7 @@ def test_scaled_costs_predict_what_a_trace_at_the_batch_measures(model_id: str, 
     assert [s.nbytes for s in scaled.storages] == [s.nbytes for s in direct.storages]
     # what a recomputed unit's compact forms take off its backward, measured where they let go early (ResNet-18's
     # blocks end in ReLU, GPT-2's forms let go of a tensor too), extrapolated with the rest
-    assert set(scaled.compact_recompute_held) == set(direct.compact_recompute_held)
+    assert set(scaled.compact_recompute_gain) == set(direct.compact_recompute_gain)
     plan, compact = {u: Decision.RECOMPUTE for u in direct.units}, frozenset(direct.compact_saving)
     want, got = direct.peak(plan, compact), scaled.peak(plan, compact)
     assert abs(got - want) <= tolerance * want, f"recompute, compact: {got / 2**20:.2f} vs {want / 2**20:.2f} MiB"

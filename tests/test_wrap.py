@@ -585,7 +585,7 @@ def test_compact_forms_of_a_recomputed_unit_are_priced_as_the_runtime_runs_them(
     model, batch, plan, costs = _wrapped_plain(model_id)
     early = {seg for seg, u in enumerate(costs.units, 1) if u in costs.compact_saving
              and costs.compact_saving[u].released > 0}
-    assert early and set(costs.compact_recompute_held) == early
+    assert early and set(costs.compact_recompute_gain) == early
     credited = []
     for seg in sorted(early):
         trial = copy.deepcopy(plan)
@@ -594,7 +594,7 @@ def test_compact_forms_of_a_recomputed_unit_are_priced_as_the_runtime_runs_them(
         predicted, measured = points["backward", seg]
         assert measured is not None and abs(predicted - measured) < 64 * 1024, (seg, predicted, measured)
         saving = costs.compact_saving[costs.units[seg - 1]]
-        credited.append(costs.compact_recompute_held[seg] - (saving.held + saving.local_bwd))
+        credited.append(costs.compact_recompute_gain[seg] - (saving.held + saving.local_bwd))
     if model_id == "timm/resnet50":  # the block's output, let go of at once
         assert min(credited) > 0
     else:  # made again by the recomputation: nothing more than the forms' own saving

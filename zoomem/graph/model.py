@@ -111,9 +111,9 @@ class OpGraph:
         compact_faster: those of ``compact_units`` (and ``"<outside>"``, the forms outside the units) with a form
             that may run faster than the stock op (``zoomem.ops.Impl.may_be_faster``): only their time credits
             are taken.
-        compact_recompute_held: per unit segment of ``compact_recompute_units`` whose forms let go of a tensor
+        compact_recompute_gain: per unit segment of ``compact_recompute_units`` whose forms let go of a tensor
             early when it is kept: how many bytes its compact forms take off the peak of its backward when it is
-            recomputed (:func:`~zoomem.runtime.units.measure_recompute_held`, with the forms and without); filled
+            recomputed (:func:`~zoomem.runtime.units.measure_recompute_backward`, with the forms and without); filled
             by the runtime when it plans.
     """
 
@@ -137,7 +137,7 @@ class OpGraph:
     compact_recompute_units: list[str] = field(default_factory=list)
     forward_excess: dict[int, int] = field(default_factory=dict)
     cheap_rise: dict[int, int] = field(default_factory=dict)
-    compact_recompute_held: dict[int, int] = field(default_factory=dict)
+    compact_recompute_gain: dict[int, int] = field(default_factory=dict)
     compact_faster: list[str] = field(default_factory=list)
 
     # ----------------------------------------------------------------- derived figures
@@ -242,7 +242,7 @@ class OpGraph:
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         d["forward_excess"] = {int(k): int(v) for k, v in d.get("forward_excess", {}).items()}
         d["cheap_rise"] = {int(k): int(v) for k, v in d.get("cheap_rise", {}).items()}
-        d["compact_recompute_held"] = {int(k): int(v) for k, v in d.get("compact_recompute_held", {}).items()}
+        d["compact_recompute_gain"] = {int(k): int(v) for k, v in d.get("compact_recompute_gain", {}).items()}
         return cls(**d)
 
     @classmethod

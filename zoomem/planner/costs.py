@@ -169,9 +169,9 @@ class CostModel:
     """Unit segment -> what its recomputation under ``RECOMPUTE_CHEAP`` rises, measured as the runtime runs it
     (:attr:`~zoomem.graph.OpGraph.cheap_rise`): its matmul/conv outputs come from the cache, held already. Absent:
     ``transient``, the traced rise, which bounds it (ResNet-50's first block 122.5 MiB high at batch 16)."""
-    compact_recompute_held: dict[int, int] = field(default_factory=dict)
+    compact_recompute_gain: dict[int, int] = field(default_factory=dict)
     """Unit segment -> the bytes its compact forms take off its backward's peak when it is recomputed, measured as
-    the runtime runs it (:attr:`~zoomem.graph.OpGraph.compact_recompute_held`). Absent: the forms' ``held`` and
+    the runtime runs it (:attr:`~zoomem.graph.OpGraph.compact_recompute_gain`). Absent: the forms' ``held`` and
     ``local_bwd`` plus a negative ``released`` (:meth:`compact_gain`)."""
 
     # ------------------------------------------------------------------ construction
@@ -736,7 +736,7 @@ class CostModel:
                 # it go compactly, a GPT-2 layer's form makes it again; measured where it exists
                 backward = held + min(0, released) + local_bwd
                 if not stored:
-                    backward = self.compact_recompute_held.get(seg, backward)
+                    backward = self.compact_recompute_gain.get(seg, backward)
                 return {"forward": local_fwd, "backward": backward, "after": 0}.get(point.phase, local_fwd)
             return {"forward": local_fwd, "backward": held + released + local_bwd}.get(point.phase, held + released)
         return 0
@@ -851,11 +851,11 @@ class CostModel:
     def take_rises(self, graph: OpGraph) -> None:
         """Take the rises the runtime measured into ``graph`` after this model was made from it (it measures
         them only where this model has chains, cheap modes or compact forms that let go early):
-        ``forward_excess``, ``transient_cheap``, ``compact_recompute_held``."""
+        ``forward_excess``, ``transient_cheap``, ``compact_recompute_gain``."""
         rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
         self.forward_excess = dict(graph.forward_excess)
         self.transient_cheap = {seg: rise + rng for seg, rise in graph.cheap_rise.items()}
-        self.compact_recompute_held = dict(graph.compact_recompute_held)
+        self.compact_recompute_gain = dict(graph.compact_recompute_gain)
         self.__dict__.pop("_matrix_cache", None)
 
     def recompute_transient(self, seg: int, decision: Decision) -> int:

@@ -115,8 +115,8 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
         forward_excess={k: max(0, by(small.forward_excess[k], v)) for k, v in large.forward_excess.items()},
         transient_cheap={k: max(0, by(small.transient_cheap[k], v)) for k, v in large.transient_cheap.items()},
         # signed, as the forms' savings; measured only where a form lets go early, which either trace may not see
-        compact_recompute_held={k: by(small.compact_recompute_held[k], v)
-                                for k, v in large.compact_recompute_held.items() if k in small.compact_recompute_held},
+        compact_recompute_gain={k: by(small.compact_recompute_gain[k], v)
+                                for k, v in large.compact_recompute_gain.items() if k in small.compact_recompute_gain},
         saved_bytes={k: max(0, by(small.saved_bytes.get(k, 0), v)) for k, v in large.saved_bytes.items()},
         step_s=scale.seconds(small.step_s, large.step_s),
         compact_saving=compact,

@@ -33,7 +33,7 @@ from .chain import Chain, bring_back
 from .compact import UNIT_INNER
 from .patch import set_forward
 
-__all__ = ["measure_recompute_held", "measure_recompute_rises", "restore_buffers", "run_unit"]
+__all__ = ["measure_recompute_backward", "measure_recompute_rises", "restore_buffers", "run_unit"]
 
 @contextlib.contextmanager
 def restore_buffers(module: nn.Module) -> Iterator[None]:
@@ -175,9 +175,9 @@ def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[A
         model, batch, loss_fn, units, decisions, recompute_kwargs).items()}
 
 
-def measure_recompute_held(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
-                           units: list[Unit], decisions: dict[str, Decision],
-                           recompute_kwargs: Callable[[nn.Module, dict], dict] | None = None) -> dict[int, int]:
+def measure_recompute_backward(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
+                               units: list[Unit], decisions: dict[str, Decision],
+                               recompute_kwargs: Callable[[nn.Module, dict], dict] | None = None) -> dict[int, int]:
     """Per unit segment with a decision in ``decisions``: the peak of its backward after its recomputation, above
     where the recomputation started, in one step run as :func:`measure_recompute_rises` runs it (the backward
     ends where its input's gradient is ready; units whose input needs none are left out).
@@ -186,8 +186,8 @@ def measure_recompute_held(model: nn.Module, batch: Batch, loss_fn: Callable[[An
     unit's backward, which depends on the model: a ReLU ending a ResNet-v1 block saves its recomputed output
     plainly and a 1-bit mask compactly (the output then goes at once); a form whose tensor the recomputation makes
     anyway takes nothing more off (GPT-2, Llama). Empty when a profiler or meter is running."""
-    return {seg: held for seg, (_, held) in _measure_recomputations(
-        model, batch, loss_fn, units, decisions, recompute_kwargs).items() if held is not None}
+    return {seg: peak for seg, (_, peak) in _measure_recomputations(
+        model, batch, loss_fn, units, decisions, recompute_kwargs).items() if peak is not None}
 
 
 def _measure_recomputations(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],

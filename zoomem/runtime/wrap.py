@@ -42,7 +42,7 @@ from .patch import set_forward
 from .probe import probe_saved
 from .storage import SavedTensorStore
 from .chain import Chain, Recipe
-from .units import measure_recompute_held, measure_recompute_rises, restore_buffers, run_unit
+from .units import measure_recompute_backward, measure_recompute_rises, restore_buffers, run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
 
@@ -363,8 +363,8 @@ def cost_model(
         graph.cheap_rise = measure_recompute_rises(model, batch, loss, units, cheap, adapter.recompute_kwargs)
     early = [u for u in graph.compact_recompute_units
              if u in costs.compact_saving and costs.compact_saving[u].released > 0]
-    if early and not graph.compact_recompute_held and graph.timeline:  # what their forms take off, recomputed
-        graph.compact_recompute_held = _compact_recompute_held(model, batch, loss, units, adapter,
+    if early and not graph.compact_recompute_gain and graph.timeline:  # what their forms take off, recomputed
+        graph.compact_recompute_gain = _compact_recompute_gain(model, batch, loss, units, adapter,
                                                                {u: chosen[u] for u in early})
     costs.take_rises(graph)
     costs.fixed_bytes += _optimizer_state_bytes(optimizer)
@@ -373,16 +373,16 @@ def cost_model(
     return costs, chosen, graph
 
 
-def _compact_recompute_held(model: nn.Module, batch: Batch, loss: Callable[[Any, Batch], torch.Tensor],
+def _compact_recompute_gain(model: nn.Module, batch: Batch, loss: Callable[[Any, Batch], torch.Tensor],
                             units: list[Unit], adapter: Adapter,
                             forms: dict[str, list]) -> dict[int, int]:  # type: ignore[type-arg]
     """Per segment of the units in ``forms``: the bytes those compact forms take off the unit's backward when it
     is recomputed (its peak above the recomputation's start), two steps with every one of them recomputed."""
     recomputed = {u: Decision.RECOMPUTE for u in forms}
-    plain = measure_recompute_held(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
+    plain = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
     undo = install_all(forms)
     try:
-        compact = measure_recompute_held(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
+        compact = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
     finally:
         undo()
     return {seg: plain[seg] - compact[seg] for seg in plain if seg in compact}
