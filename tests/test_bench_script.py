@@ -388,3 +388,16 @@ def test_random_plans_script_finds_no_point_predicted_low():
     plans = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(plans) == 3 and "rchain" in plans[0] and "+c" in plans[0] and "rcheap" in plans[0], proc.stdout
     assert "some point over it in 0 []" in proc.stdout
+
+
+def test_compact_times_script_shows_raw_and_priced_times():
+    """`scripts/compact_times.py` prints the compact forms' time as each cost model measured it and as it is priced
+    (a ResNet's forms cannot run faster: never below zero), then over interleaved steps of the wrapped model."""
+    cmd = [sys.executable, str(REPO / "scripts" / "compact_times.py"), "timm/resnet18", "--small", "--batch", "4",
+           "--traces", "1", "--rounds", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    lines = proc.stdout.splitlines()
+    priced = [line for line in lines if line.startswith("cost model 1:")]
+    assert len(priced) == 1 and "as priced: units' -" not in priced[0] and "outside -" not in priced[0], proc.stdout
+    assert sum(line.startswith(("no form:", "every unit's forms:", "forms outside the units:")) for line in lines) == 3

@@ -281,9 +281,9 @@ def test_the_outside_forms_are_timed_where_code_outside_the_units_runs() -> None
 def test_a_time_credit_is_taken_only_for_forms_that_can_run_faster() -> None:
     """A form that does the stock work and more (ResNet's packed masks and rebuilt BatchNorm outputs) cannot make
     the step faster: a negative time measured for it is the noise of one timed step (ResNet-50 at b16: the blocks'
-    forms summed to -2.6 s in one trace, +0.24 s in the next, +0.25 s over five interleaved steps) and counts as
-    zero, where the program would otherwise switch the forms on everywhere for speed. PyG's SpMM can run faster
-    (``Impl.may_be_faster``): its credit is taken."""
+    forms summed to -0.08 s and -4.7 s in two cost models in a row, +0.37 s over five interleaved steps:
+    ``scripts/compact_times.py``) and counts as zero, where the program would otherwise switch the forms on
+    everywhere for speed. PyG's SpMM can run faster (``Impl.may_be_faster``): its credit is taken."""
     import dataclasses
 
     from zoomem.runtime.wrap import cost_model

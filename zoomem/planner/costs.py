@@ -346,8 +346,8 @@ class CostModel:
         times, cheap = _share_by_group(times, group), _share_by_group(cheap, group)
         compact_saving, compact_s = _compact_savings(graph.compact_units, seg_of_unit, base, graph.timeline_compact)
         # a form that does the stock work and more cannot run faster: a credit measured for it is one timed step's
-        # noise (ResNet-50 at b16, two traces in a row: the blocks' forms summed to +0.24 s and to -2.6 s, where
-        # five interleaved steps measure +0.25 s)
+        # noise (ResNet-50 at b16, two cost models in a row: the blocks' forms summed to -0.08 s and -4.7 s, where
+        # five interleaved steps measure +0.37 s: scripts/compact_times.py)
         faster = set(graph.compact_faster)
         compact_s = {u: s if u in faster else max(0.0, s) for u, s in _share_by_group(compact_s, group).items()}
         if OUTSIDE_UNITS not in faster:
