@@ -13,14 +13,13 @@ wrapped model with no form, every unit's forms, and the forms outside the units 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
 import zoomem
-from zoomem import zoo
+from zoomem.benchtools import median, model_and_batch
 from zoomem.planner import CostModel
 from zoomem.planner.costs import OUTSIDE_UNITS
 from zoomem.runtime.wrap import _loss, cost_model
@@ -35,11 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed steps per configuration")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.small:
-        model, adapter, batch = zoo.small(args.model, batch_size=args.batch)
-    else:
-        model, adapter = zoo.build(args.model)
-        batch = adapter.example_batch(model, args.batch)
+    model, adapter, batch = model_and_batch(args.model, args.batch, args.small)
     for k in range(args.traces):
         costs, _, graph = cost_model(model, batch, adapter)
         graph.compact_faster = [*costs.units, OUTSIDE_UNITS]  # every measured difference as it came out
@@ -66,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 times[name].append(time.perf_counter() - start)
     zoomem.unwrap(model)
-    base = statistics.median(times["no form"])
+    base = median(times["no form"])
     for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name}: median {median:.3f} s over {args.rounds} interleaved steps, {median - base:+.3f} s "
-              f"({median / base:.3f}x)")
+        mid = median(values)
+        print(f"{name}: median {mid:.3f} s over {args.rounds} interleaved steps, {mid - base:+.3f} s "
+              f"({mid / base:.3f}x)")
     return 0
 
 

@@ -22,7 +22,7 @@ import sys
 import torch
 
 import zoomem
-from zoomem import zoo
+from zoomem.benchtools import model_and_batch
 from zoomem.planner import CostModel, Decision, Plan
 from zoomem.planner.solve import unit_modes
 from zoomem.runtime.wrap import plan_points
@@ -61,11 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=64.0, help="KiB a point may measure above its prediction")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.small:
-        model, adapter, batch = zoo.small(args.model, batch_size=args.batch)
-    else:
-        model, adapter = zoo.build(args.model, **{k: int(v) for k, v in (s.split("=") for s in args.set)})
-        batch = adapter.example_batch(model, args.batch)
+    model, adapter, batch = model_and_batch(args.model, args.batch, args.small, args.set)
     zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
     handle = model.__dict__["_zoomem"]
     base = next(iter(handle.plans.values()))

@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Alarm", "exc_text", "git_info", "grid", "machine_info", "machine_line", "median", "result_head",
-           "train_step"]
+__all__ = ["Alarm", "exc_text", "git_info", "grid", "machine_info", "machine_line", "median", "model_and_batch",
+           "result_head", "train_step"]
 
 
 def _cpu_model() -> str:
@@ -120,6 +120,18 @@ class Alarm:
         if hasattr(signal, "SIGALRM") and self.seconds > 0:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self._old)
+
+
+def model_and_batch(model_id: str, batch_size: int, small: bool = False,
+                    overrides: Sequence[str] = ()) -> tuple[Any, Any, Any]:
+    """A zoo model, its adapter and its example batch as the scripts take them: the test suite's small layout
+    (``small``, :func:`zoomem.zoo.small`) or the full one with ``KEY=INT`` config overrides (``--set``)."""
+    from zoomem import zoo
+
+    if small:
+        return zoo.small(model_id, batch_size=batch_size)
+    model, adapter = zoo.build(model_id, **{k: int(v) for k, v in (s.split("=") for s in overrides)})
+    return model, adapter, adapter.example_batch(model, batch_size)
 
 
 def exc_text(exc: BaseException) -> str:
