@@ -1363,18 +1363,19 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
     _train_step(model, batch, loss_fn, optimizer)  # creates AdamW's state: every later step is a steady one
     build_s = time.perf_counter() - t0
     common = dict(adapter=adapter, optimizer=optimizer, loss_fn=loss_fn, time_limit=args.time_limit)
+    skip = dict(skip_logits=True) if getattr(args, "skip_logits", False) else {}
 
     # -- plans (before any timing), all on one wrapped model: each method puts its plan in the wrap's cache --
     wrap_level, wrap_error = _WRAP_LEVEL, None
     t = time.perf_counter()
     try:
-        zoomem.wrap(model, level=_WRAP_LEVEL, batch=batch, sensitivity_interval=0, **common)
+        zoomem.wrap(model, level=_WRAP_LEVEL, batch=batch, sensitivity_interval=0, **skip, **common)
     except Exception as exc:  # noqa: BLE001 - a result: that level (and likely every lossy one) fails here
         wrap_level, wrap_error = "L0", f"failed: {_exc_text(exc)}"
         logger.debug("wrap(level=%s) of %s failed", _WRAP_LEVEL, model_id, exc_info=True)
         say(f"zoomem.wrap(level={_WRAP_LEVEL!r}) {wrap_error}; wrapping with L0 (nothing lossy) instead")
         t = time.perf_counter()
-        zoomem.wrap(model, level="L0", batch=batch, sensitivity_interval=0, **common)
+        zoomem.wrap(model, level="L0", batch=batch, sensitivity_interval=0, **skip, **common)
     wrap_s = time.perf_counter() - t
     handle = model.__dict__["_zoomem"]
     (sig, wrap_plan), = handle.plans.items()
@@ -1490,6 +1491,7 @@ def compress_one(model_id: str, args: argparse.Namespace, bar: Any = None) -> di
         "id": model_id,
         "variant": "small" if args.quick else "compress",
         "layers": _layers_note(model_id, spec, args.quick),
+        "skip_logits": bool(skip),
         "batch_size": spec.batch_size,
         "sizes": _sizes_of(batch, spec, model_id),
         "overrides": spec.overrides,
@@ -1747,7 +1749,8 @@ def caps_table(r: dict[str, Any], markdown: bool) -> str:
 def _compress_head(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['id']}: FAILED: {r['error']}"
-    return (f"{r['id']} ({r['layers']}; {_size_text(r)}; {r['param_mib']:.0f} MiB of parameters; plain PyTorch "
+    skip = "; zoomem with skip_logits" if r.get("skip_logits") else ""
+    return (f"{r['id']} ({r['layers']}{skip}; {_size_text(r)}; {r['param_mib']:.0f} MiB of parameters; plain PyTorch "
             f"{r['pytorch_median_step_s']:.2f} s/step, {r['pytorch_activation_mib']:.1f} MiB of activations, "
             f"fwd+bwd peak {r['pytorch_peak_mib']:.1f} MiB)")
 
@@ -2373,6 +2376,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="LEVEL", help="levels to measure (default: %(default)s)")
     p.add_argument("--fractions", nargs="+", type=float, metavar="F",
                    help=f"budgets, fractions of plain PyTorch's peak (default: {' '.join(map(str, COMPRESS_FRACTIONS))})")
+    p.add_argument("--skip-logits", action="store_true",
+                   help="wrap with skip_logits=True: HF LMs' training forward returns logits=None where the fused "
+                   "LM-head loss runs (plain PyTorch's step still returns them)")
     p.add_argument("--matched", action=argparse.BooleanOptionalAction, default=True,
                    help="also plan both budget modes just below the predicted peak of each lossy level and lossless "
                    "plan, so that each meets a plan of both modes at its own memory (default: %(default)s)")

@@ -48,3 +48,15 @@ def test_plan_with_a_compression_level(capsys: pytest.CaptureFixture[str]) -> No
     assert "compression L2.2" in capsys.readouterr().out
     assert main(["plan", "pyg/gcn", "--level", "L2", "--budget", "1GiB"]) == 2
     assert "compress='auto'" in capsys.readouterr().err
+
+
+def test_plan_skip_logits_prices_the_step_without_logits(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    args = ["plan", "hf/gpt2", "--batch", "2", "--seq-len", "64", "--set", "n_layer=1", "--set", "n_embd=32",
+            "--set", "n_head=2", "--budget", "70%", "--json"]
+    peaks = []
+    for extra in ([], ["--skip-logits"]):
+        assert main(args + extra) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_bytes"])
+    assert peaks[0] - peaks[1] >= 2 * 64 * 50257 * 4 * 0.5  # most of the fp32 logits no longer held

@@ -389,9 +389,11 @@ def _head_inputs(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.
     return hidden, weight, b, target
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["logits_saved", "logits_made_again"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, keep: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 96)  # slices of 8 rows and 8 of the 50 classes: a ragged last one
     hidden, weight, b, target = _head_inputs(bias)
     params = [t for t in (hidden, weight, b) if t is not None]
@@ -400,7 +402,9 @@ def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, monkeypa
     for ours in (False, True):
         logits = F.linear(hidden, weight, b).view(-1, 50)
         if ours:
-            loss = LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, reduction)
+            loss = LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, reduction, None, keep)
+            saved = loss.grad_fn.saved_tensors
+            assert (saved[0] is not None) == keep  # skip_logits: backward makes the slices again
         else:
             loss = F.cross_entropy(logits, target, ignore_index=-100, reduction=reduction)
         results.append((loss, torch.autograd.grad(loss, params, w)))
@@ -411,8 +415,9 @@ def test_linear_cross_entropy_matches_stock(reduction: str, bias: bool, monkeypa
     assert grads1[0].view(12, 16)[[2, 7]].abs().sum() == 0  # ignored rows send nothing to the hidden states
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["logits_saved", "logits_made_again"])
 @pytest.mark.parametrize("ignored", ["most", "all"])
-def test_linear_cross_entropy_leaves_ignored_rows_out(ignored: str) -> None:
+def test_linear_cross_entropy_leaves_ignored_rows_out(ignored: str, keep: bool) -> None:
     """Rows whose target is ignored carry no gradient: the backward leaves them out of its products (an MLM batch
     labels ~15% of its tokens) and their input gradient is exactly zero, as stock's is."""
     hidden, weight, b, target = _head_inputs(True)
@@ -422,7 +427,7 @@ def test_linear_cross_entropy_leaves_ignored_rows_out(ignored: str) -> None:
     grads = []
     for ours in (False, True):
         logits = F.linear(hidden, weight, b).view(-1, 50)
-        loss = (LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, "sum") if ours
+        loss = (LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, "sum", None, keep) if ours
                 else F.cross_entropy(logits, target, reduction="sum"))
         grads.append(torch.autograd.grad(loss, (hidden, weight, b)))
     for stock, ours in zip(*grads):
@@ -432,10 +437,10 @@ def test_linear_cross_entropy_leaves_ignored_rows_out(ignored: str) -> None:
 
 def test_linear_cross_entropy_gradgradcheck() -> None:
     hidden, weight, b, target = _head_inputs(True, torch.float64)
-    for reduction in ("mean", "none"):
+    for reduction, keep in (("mean", True), ("none", True), ("mean", False), ("none", False)):
         def f(h: torch.Tensor, w: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
             logits = F.linear(h, w, bb).view(-1, 50).detach()
-            return LinearCrossEntropy.apply(logits, h, w, bb, target, -100, reduction)
+            return LinearCrossEntropy.apply(logits, h, w, bb, target, -100, reduction, None, keep)
 
         assert torch.autograd.gradcheck(f, (hidden, weight, b))
         assert torch.autograd.gradgradcheck(f, (hidden, weight, b))
@@ -538,7 +543,7 @@ def test_fused_head_in_low_precision_matches_stock(mode: str, monkeypatch: pytes
         undos.append(install_impl(ours.transformer.wte, "embedding_tied_grad"))
     products = []
     real = L._sliced_grads
-    monkeypatch.setattr(L, "_sliced_grads", lambda *a: products.append(a[-1]) or real(*a))
+    monkeypatch.setattr(L, "_sliced_grads", lambda *a: products.append(a[9]) or real(*a))  # matmul_dtype
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     losses = []
     for m in (stock, ours):
@@ -554,6 +559,67 @@ def test_fused_head_in_low_precision_matches_stock(mode: str, monkeypatch: pytes
         assert b.grad.dtype == a.grad.dtype and rel(b.grad.float(), a.grad.float()) < 1e-3, n
     for undo in undos:
         undo()
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast"])
+def test_skip_logits_returns_no_logits_and_stock_gradients(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``set_skip_logits``: the training forward of an HF LM returns ``logits=None`` where the fused loss ran, its
+    loss and gradients are stock's (the backward makes the logits again, a slice at a time, in the head's dtype)
+    and nothing holds the logits after the forward; eval, ``no_grad`` and forwards without labels return them."""
+    from zoomem.measure import MemoryMeter
+
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 12)
+    stock = _tiny_gpt2()
+    ours = copy.deepcopy(stock)
+    undos = [install_impl(ours, "cross_entropy_logits"), install_impl(ours.transformer.wte, "embedding_tied_grad")]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    held = []
+    for skip in (False, True):
+        L.set_skip_logits(ours, skip)
+        assert L.skips_logits(ours) == skip
+        losses = []
+        for m in (stock, ours):
+            m.zero_grad()
+            torch.manual_seed(1)
+            with MemoryMeter(m) as meter:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                    out = m(input_ids=ids, labels=ids)
+                meter.mark("forward")
+                out.loss.backward()
+            losses.append(out.loss)
+        held.append(meter.report.activation_bytes)
+        assert (out.logits is None) == skip and type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+        assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward"
+        assert rel(losses[1], losses[0]) < (1e-6 if mode == "fp32" else 1e-5)
+        # bf16: a slice made again may differ from the forward's logits in the last bit (another blocking of the
+        # product), within bf16's rounding of stock's gradient
+        tol = 1e-5 if mode == "fp32" else 1e-2 if skip else 1e-3
+        for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
+            assert rel(b.grad, a.grad) < tol, n
+    logits_bytes = 2 * 20 * 300 * (2 if mode == "autocast" else 4)  # the head's output (bf16 under autocast)
+    assert held[0] - held[1] >= logits_bytes
+    assert ours(input_ids=ids).logits is not None  # no labels: no fused loss, the logits returned
+    with torch.no_grad():
+        assert ours(input_ids=ids, labels=ids).logits is not None
+    ours.eval()
+    assert ours(input_ids=ids, labels=ids).logits is not None
+    L.set_skip_logits(ours, False)
+    for undo in undos:
+        undo()
+
+
+def test_skip_logits_keeps_logits_it_cannot_make_again() -> None:
+    """BART's logits are the head's output plus ``final_logits_bias``: the fused loss keeps them, the forward returns
+    them, whatever ``skip_logits`` says."""
+    model = dict(_mlm_models())["bart"]()
+    undo = install_impl(model, "cross_entropy_logits")
+    L.set_skip_logits(model, True)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    assert out.loss.grad_fn.name() == "LinearCrossEntropyBackward" and out.logits is not None
+    assert out.loss.grad_fn.saved_tensors[0] is not None
+    L.set_skip_logits(model, False)
+    undo()
 
 
 def test_fused_head_under_autocast_holds_no_fp32_copy(monkeypatch: pytest.MonkeyPatch) -> None:

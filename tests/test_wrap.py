@@ -1006,6 +1006,32 @@ def test_hf_layers_recompute_without_writing_the_kv_cache() -> None:
     zoomem.unwrap(model)
 
 
+def test_skip_logits_plans_and_trains_without_the_logits() -> None:
+    """``wrap(skip_logits=True)``: the plan is made for the step that returns ``logits=None`` (its predicted peak
+    is the measured one, lower than stock's by more than the logits), the gradients are stock's, ``plan(skip_logits=...)`` prices
+    either step, and ``unwrap`` switches it off."""
+    from zoomem.ops.loss import skips_logits
+
+    model, adapter, batch = zoo.small("hf/gpt2")
+    ref_loss, ref_grads, ref_peak = _step(copy.deepcopy(model), adapter, batch)
+    keep, skip = (zoomem.plan(model, batch, 0.7, skip_logits=s) for s in (False, True))
+    assert keep.outside_compact and skip.outside_compact and not skips_logits(model)
+    logits = 2 * 64 * model.config.vocab_size * 4  # zoo.small's batch: 2 x 64 tokens, fp32
+    assert skip.predicted_peak_bytes < keep.predicted_peak_bytes  # (keep's plan recomputes more to fit)
+    zoomem.wrap(model, 0.7, skip_logits=True, batch=batch)
+    ((_, plan),) = model._zoomem.plans.items()
+    assert plan.predicted_peak_bytes == skip.predicted_peak_bytes
+    loss, grads, peak = _step(model, adapter, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    _assert_grads_close(grads, ref_grads, "gpt2 skip_logits")
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.05 * peak and peak < ref_peak - logits
+    assert batch.call(model).logits is None
+    for p in model.parameters():
+        p.grad = None
+    zoomem.unwrap(model)
+    assert not skips_logits(model) and batch.call(model).logits is not None
+
+
 def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
     """``torch.compile(wrapped)``: Dynamo cannot trace planning, checkpoint regions with a custom context or the
     store's hooks (it raised on a recompute_cheap unit); the training step runs as zoomem planned it, warned once,

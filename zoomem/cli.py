@@ -90,7 +90,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if budget is not None and budget.replace(".", "", 1).isdigit():
         budget = float(budget) if "." in budget else int(budget)
     result = plan(model, batch, budget, strategy=args.strategy, adapter=adapter, time_limit=args.time_limit,
-                  compress=args.compress, level=args.level)
+                  compress=args.compress, level=args.level, skip_logits=args.skip_logits)
     if args.json:
         print(result.to_json())
     else:
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --budget: also store saved tensors in 8/4/2/1 bits, chosen with recomputation")
     p.add_argument("--level", default=None,
                    help="compression level without a budget: L0, L1, L1.1, L1.2, L2, L2.1, L2.2, L3")
+    p.add_argument("--skip-logits", dest="skip_logits", action="store_true",
+                   help="HF LMs: plan the step that returns logits=None (zoomem.wrap(skip_logits=True))")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_size_flags(p, default_batch=8)
     p.set_defaults(func=cmd_plan)

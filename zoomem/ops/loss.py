@@ -57,6 +57,8 @@ __all__ = [
     "record_head",
     "routed_forward",
     "tied_embedding",
+    "set_skip_logits",
+    "skips_logits",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -123,7 +125,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction,  # type: ignore[override]
-                matmul_dtype=None):
+                matmul_dtype=None, keep_logits=True):
         cdt = _compute_dtype(logits)
         rows = _slices(logits.shape[0], logits.shape[1], 1)
         lse = torch.empty(logits.shape[0], dtype=cdt, device=logits.device)
@@ -140,8 +142,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
         ctx.matmul_dtype = matmul_dtype
         ctx.embedding = _tied_embedding_node(hidden, weight) if weight.requires_grad else None
-        ctx.save_for_backward(logits, lse, hidden, weight, bias, target)
-        ctx.exact_reads = (0, 1)  # both reach the gradient through exp() (zoomem.runtime.probe)
+        # without the logits (skip_logits): backward makes each slice again from hidden and the weight
+        ctx.save_for_backward(logits if keep_logits else None, lse, hidden, weight, bias, target)
+        # they reach the gradient through exp() (zoomem.runtime.probe): the logits, or the hidden states they are
+        # made again from, and the log-sum-exp
+        ctx.exact_reads = (0, 1) if keep_logits else (1, 2)
         return loss
 
     @staticmethod
@@ -153,7 +158,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         with torch.no_grad():
             grad_h, grad_w, grad_b = _sliced_grads(logits, lse, h, weight, safe, scale, need_h, need_w, need_b,
-                                                   ctx.matmul_dtype)
+                                                   ctx.matmul_dtype, bias)
             grad_h = grad_h.to(hidden.dtype) if grad_h is not None else None
             grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
@@ -161,7 +166,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             z = F.linear(hc, wc, bias.to(lse.dtype) if bias is not None else None)
             # the saved logits' values (a constant added after the head, BART's final_logits_bias, included),
             # the recomputed ones' graph
-            g = torch.softmax(logits.to(lse.dtype) + (z - z.detach()), 1)
+            g = torch.softmax(z if logits is None else logits.to(lse.dtype) + (z - z.detach()), 1)
             g = (g - torch.zeros_like(g).scatter(1, safe.unsqueeze(1), 1.0)) * scale.unsqueeze(1)
             grad_h = _kernel_value(grad_h, g @ wc if need_h else None)
             grad_w = _kernel_value(grad_w, g.t() @ hc if need_w else None)
@@ -169,12 +174,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         elif grad_w is not None and ctx.embedding is not None:  # the tied embedding's backward adds to it, returns it
             ctx.embedding.pending = (torch._C._current_graph_task_id(), grad_w)
             grad_w = None
-        return None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None, None
+        return (None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None,
+                None, None)
 
 
-def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor,
-                  scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool,
-                  matmul_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, ...]:
+def _sliced_grads(logits: torch.Tensor | None, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                  safe: torch.Tensor, scale: torch.Tensor, need_h: bool, need_w: bool, need_b: bool,
+                  matmul_dtype: torch.dtype | None = None,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :class:`LinearCrossEntropy`'s inputs, ``(softmax - onehot) * scale`` formed a slice of
     the vocabulary at a time: ``grad_h += g @ W[slice]``, ``grad_w[slice] = g^T @ h``, ``grad_b[slice] = sum g``.
 
@@ -183,24 +190,28 @@ def _sliced_grads(logits: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, weig
     to it, as autocast's backward does), ``grad_h`` summed over slices in the loss's precision. ``grad_h`` and
     ``grad_b`` come back in that precision, ``grad_w`` in the weight's dtype. Rows without a gradient (ignored targets) are left out of
     every product: masked-LM batches label about 15% of their tokens, so the head's two backward matmuls shrink
-    by as much."""
-    mdt, cdt = matmul_dtype or logits.dtype, lse.dtype
+    by as much. Without ``logits`` (``skip_logits``) each slice is made again, ``h @ W[slice]^T + bias[slice]``
+    in the matmul dtype (the head's forward, a slice at a time: one more head-sized product per step)."""
+    mdt, cdt = matmul_dtype or (logits.dtype if logits is not None else h.dtype), lse.dtype
     same = mdt == cdt == weight.dtype == h.dtype
     grad_b = torch.empty(weight.shape[0], dtype=cdt, device=weight.device) if need_b else None
     grad_w = torch.empty_like(weight) if need_w else None
     rows = (scale != 0).nonzero().squeeze(1)  # rows with a gradient: an MLM batch labels ~15% of its tokens
-    if rows.numel() == logits.shape[0]:
+    if rows.numel() == h.shape[0]:
         rows = None
     else:  # the others' rows of g are zero: skip them in every product (their grad_h rows stay exactly zero)
         full_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
         h, lse, safe, scale = h.index_select(0, rows), lse[rows], safe[rows], scale[rows]
     grad_h = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
     hm = h if same else h.to(mdt)
-    vocab = logits.shape[1]
+    vocab = weight.shape[0]
     cols = _slices(vocab, h.shape[0], h.shape[1])
-    row_ids = torch.arange(h.shape[0], device=logits.device)
+    row_ids = torch.arange(h.shape[0], device=h.device)
     for v in range(0, vocab, cols):
-        part = logits[:, v:v + cols] if rows is None else logits[:, v:v + cols].index_select(0, rows)
+        if logits is None:
+            part = F.linear(hm, weight[v:v + cols].to(mdt), None if bias is None else bias[v:v + cols].to(mdt))
+        else:
+            part = logits[:, v:v + cols] if rows is None else logits[:, v:v + cols].index_select(0, rows)
         g = torch.sub(part.to(cdt), lse.unsqueeze(1)).exp_()
         hit = (safe >= v) & (safe < v + g.shape[1])
         g.index_put_((row_ids[hit], safe[hit] - v), g.new_full((), -1.0), accumulate=True)
@@ -304,8 +315,8 @@ class _Window:
     """The stretch of one model forward from its LM head's forward to the forward's end, during which
     ``F.cross_entropy`` calls are routed (the mode is entered by the head's hook, left by :func:`routed_forward`)."""
 
-    def __init__(self, head: nn.Module) -> None:
-        self.mode = route_cross_entropy(head)
+    def __init__(self, head: nn.Module, skip_logits: bool = False) -> None:
+        self.mode = route_cross_entropy(head, skip_logits)
         self.open = False
 
     def close(self) -> None:
@@ -379,6 +390,10 @@ def _head_of(logits: torch.Tensor, head: nn.Module | None) -> tuple[torch.Tensor
     return hidden, head, out.view(logits.shape), head_dtype
 
 
+_OFFSET: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""id -> head outputs plus a constant (:func:`_note_constant_added`) standing for the head's output."""
+
+
 _ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
 
 
@@ -402,6 +417,7 @@ def _note_constant_added(head: nn.Module, result: Any, args: tuple, kwargs: dict
     else:
         return result
     _HEAD_IO[head] = (weakref.ref(result), record[1], result._version, head_dtype)
+    _OFFSET[id(result)] = result  # not the head's product itself: skip_logits could not make it again from the head
     return result
 
 
@@ -422,9 +438,11 @@ class route_cross_entropy(RoutingMode):
 
     target = staticmethod(F.cross_entropy)
 
-    def __init__(self, head: nn.Module | None = None) -> None:
+    def __init__(self, head: nn.Module | None = None, skip_logits: bool = False) -> None:
         super().__init__()
         self.head = head  # the model's output embeddings: logits that are its output go through LinearCrossEntropy
+        self.skip_logits = skip_logits
+        self.unsaved: list[weakref.ref] = []  # type: ignore[type-arg]  (logits a fused loss left unsaved)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _ADDS and self.head is not None:  # the head's output plus a constant stands for the output
@@ -442,8 +460,11 @@ class route_cross_entropy(RoutingMode):
         fused = _head_of(input, self.head)
         if fused is not None:  # the logits as the head made them (bf16 under autocast), not HF's fp32 copy
             hidden, head, logits, matmul_dtype = fused
+            keep = not self.skip_logits or _OFFSET.get(id(_root(logits))) is _root(logits)
+            if not keep:  # the model's output logits, and HF's fp32 copy of them, need not outlive the forward
+                self.unsaved += [weakref.ref(_root(logits)), weakref.ref(_root(input))]
             return LinearCrossEntropy.apply(logits.detach(), hidden, head.weight, head.bias, target,
-                                            int(ignore_index), reduction, matmul_dtype)
+                                            int(ignore_index), reduction, matmul_dtype, keep)
         if input.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(input.device.type):
             return None
         return CrossEntropy.apply(input, target, int(ignore_index), reduction)
@@ -461,9 +482,9 @@ def routed_forward(model: nn.Module, original: Callable[..., Any], *args: Any, *
     if head is None:
         return original(*args, **kwargs)
     previous = _WINDOWS.get(head)
-    window = _WINDOWS[head] = _Window(head)
+    window = _WINDOWS[head] = _Window(head, skips_logits(model))
     try:
-        return original(*args, **kwargs)
+        return _without_unsaved_logits(original(*args, **kwargs), window.mode.unsaved)
     finally:
         try:
             window.close()
@@ -472,6 +493,38 @@ def routed_forward(model: nn.Module, original: Callable[..., Any], *args: Any, *
                 _WINDOWS[head] = previous
             else:
                 _WINDOWS.pop(head, None)
+
+
+_SKIP_LOGITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Models whose training forward, where the fused loss runs, returns no logits (:func:`set_skip_logits`)."""
+
+
+def set_skip_logits(model: nn.Module, skip: bool) -> None:
+    """Whether ``model``'s forward, where ``cross_entropy_logits`` fuses its loss with the LM head, returns its
+    output without the logits (``logits=None``, as Liger-Kernel's fused loss does in training): the loss saves no
+    logits then, its backward makes each slice of them again from the head's input and weight (one more head-sized
+    product per step), and nothing holds the ``batch x sequence x vocabulary`` tensor past the forward."""
+    if skip:
+        _SKIP_LOGITS.add(model)
+    else:
+        _SKIP_LOGITS.discard(model)
+
+
+def skips_logits(model: nn.Module) -> bool:
+    """Whether :func:`set_skip_logits` is on for ``model``."""
+    return model in _SKIP_LOGITS
+
+
+def _without_unsaved_logits(output: Any, unsaved: list[weakref.ref]) -> Any:  # type: ignore[type-arg]
+    """``output`` (an HF ``ModelOutput``) again with ``logits=None`` when they are what a fused loss of this forward
+    left unsaved; anything else as it is."""
+    logits = getattr(output, "logits", None)
+    if not unsaved or not isinstance(logits, torch.Tensor) or not hasattr(output, "keys"):
+        return output
+    if not any(ref() is _root(logits) for ref in unsaved):
+        return output
+    fields = {key: value for key, value in output.items() if key != "logits"}
+    return type(output)(**fields)
 
 
 def _output_embeddings(model: Any) -> nn.Module | None:

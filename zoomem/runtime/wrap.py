@@ -34,6 +34,7 @@ from ..planner import STRATEGIES, CostModel, Decision, InfeasibleBudgetError, Pl
 from ..planner.compression import CompressOptions, Level, SavedInfo, allocate_bits, get_level
 from ..ops import Impl
 from ..ops.functional import separate_masks, stores_lossily
+from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
 from .distributed import from_rank0, world_size
@@ -887,6 +888,7 @@ def plan(
     compress: str | CompressOptions | None = None,
     level: str | None = None,
     trace_batch_size: int | None = None,
+    skip_logits: bool | None = None,
     batch_size: int = 2,
     **sizes: int,
 ) -> Plan:
@@ -908,6 +910,8 @@ def plan(
             ``L2``/``L2.1``/``L2.2`` (adaptive, 4/3/2 bits on average), ``L3`` (``L2`` + offload to host).
         trace_batch_size: trace at most this many samples (and about half as many) and extrapolate the costs
             to the batch; see :func:`wrap`.
+        skip_logits: plan the step as :func:`wrap` with ``skip_logits`` runs it; ``None``: as ``model`` is wrapped
+            (``False`` for a model that is not).
 
     Returns:
         The :class:`Plan` (``plan.summary()``, ``plan.to_json()``).
@@ -926,11 +930,23 @@ def plan(
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
     handle: _Handle | None = model.__dict__.get(_ATTR)
-    with handle.planning_scope() if handle is not None else contextlib.nullcontext():
+    with handle.planning_scope() if handle is not None else contextlib.nullcontext(), \
+            _skipping_logits(model, skip_logits):
         new = _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit, compress=options,
                     level=lvl, trace_batch_size=trace_batch_size)
     new.extras.pop("_planning", None)
     return new
+
+
+@contextlib.contextmanager
+def _skipping_logits(model: nn.Module, skip: bool | None) -> Iterator[None]:
+    """Inside, ``model``'s fused LM-head loss drops the logits as ``skip`` says (``None``: as it is set)."""
+    was = skips_logits(model)
+    set_skip_logits(model, was if skip is None else skip)
+    try:
+        yield
+    finally:
+        set_skip_logits(model, was)
 
 
 def wrap(
@@ -947,6 +963,7 @@ def wrap(
     level: str | None = None,
     sensitivity_interval: int = 200,
     trace_batch_size: int | None = None,
+    skip_logits: bool = False,
 ) -> nn.Module:
     """Train ``model`` within ``budget`` bytes with gradients identical to plain PyTorch's (in place, undoable).
 
@@ -973,6 +990,12 @@ def wrap(
             at the real batch before use). ``None`` traces the batch itself, and falls back to halves of it when
             that runs out of memory: planning traces a plain step, which at the batches zoomem is for does not
             fit the device. Not for PyG graphs (their nodes are not independent samples).
+        skip_logits: HF LMs trained with ``labels``: where the plan runs the fused LM-head loss (the
+            ``cross_entropy_logits`` form, which a plan below 100% of PyTorch's peak and every level but ``L0``
+            switch on), the training forward returns ``logits=None``, as Liger-Kernel's fused loss does: the
+            ``batch x sequence x vocabulary`` logits are freed after the loss (GPT-2 at 2 x 256 tokens: 98 MiB) and
+            the loss's backward makes each slice of them again from the head's input (one more head-sized
+            product). Eval, ``no_grad`` and forwards without labels return them as usual.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -1004,6 +1027,9 @@ def wrap(
         trace_batch_size=trace_batch_size, seed=torch.initial_seed() % (1 << 63),
     )
     model.__dict__[_ATTR] = handle
+    if skip_logits:
+        set_skip_logits(model, True)
+        handle.undo.append(lambda: set_skip_logits(model, False))
     original = model.forward
 
     def model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
