@@ -401,3 +401,20 @@ def test_compact_times_script_shows_raw_and_priced_times():
     priced = [line for line in lines if line.startswith("cost model 1:")]
     assert len(priced) == 1 and "as priced: units' -" not in priced[0] and "outside -" not in priced[0], proc.stdout
     assert sum(line.startswith(("no form:", "every unit's forms:", "forms outside the units:")) for line in lines) == 3
+
+
+def test_skip_logits_script_shows_the_logits_gone_and_the_bytes_saved():
+    """`scripts/skip_logits.py` meters and times the stock loss, the fused loss and the fused loss with
+    ``skip_logits`` on one plan: only the last returns no logits, and it holds the least after forward."""
+    cmd = [sys.executable, str(REPO / "scripts" / "skip_logits.py"), "hf/gpt2", "--small", "--rounds", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    held = {}
+    for line in proc.stdout.splitlines():
+        if "held after forward" in line:
+            name = line.split(":")[0]
+            held[name] = float(line.split("held after forward ")[1].split(" MiB")[0])
+            assert ("logits returned False" in line) == (name == "fused loss, skip_logits"), line
+    assert list(held) == ["stock loss", "fused loss", "fused loss, skip_logits"], proc.stdout
+    assert held["fused loss, skip_logits"] < held["fused loss"] < held["stock loss"], proc.stdout
+    assert sum("interleaved steps" in line for line in proc.stdout.splitlines()) == 3

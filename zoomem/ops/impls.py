@@ -592,7 +592,9 @@ def _register_builtin() -> None:
              "the log-probabilities. Logits that are the output-embeddings Linear's output go with its input and "
              "weight to one fused backward, a slice of the vocabulary at a time (no logits-sized gradient, no "
              "log-probabilities in forward; under bf16/fp16 autocast it reads the bf16 logits, not HF's fp32 copy); "
-             "others get one logits-sized gradient instead of three. Loss and gradients ~1e-7 relative.",
+             "others get one logits-sized gradient instead of three. With zoomem.wrap(skip_logits=True) the fused loss "
+             "saves no logits (backward makes each slice again) and the forward returns logits=None. Loss and "
+             "gradients ~1e-7 relative.",
              wraps_original=True, setup=record_head, may_be_faster=True),
     ):
         register_impl(impl)

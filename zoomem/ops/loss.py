@@ -27,6 +27,12 @@ logits themselves instead (recognising the copy by its autograd node), forms ``s
 at a time and runs the products in the head's dtype, as autocast's backward does: neither the copy nor anything
 fp32 of the logits' size is kept.
 
+With :func:`set_skip_logits` (``zoomem.wrap(skip_logits=True)``) the fused loss saves no logits: its backward
+makes each slice again from the head's input and weight (one more head-sized product per step), and the model's
+forward returns its output with ``logits=None`` (:func:`routed_forward`), as Liger-Kernel's fused loss does in
+training, so nothing holds the ``batch x sequence x vocabulary`` tensor past the forward. Logits the head does not
+make by itself (BART's sum with ``final_logits_bias``) are kept and returned as before.
+
 A head tied to the input embedding (GPT-2, T5, tied Llamas) gets its weight's gradient twice: from the head, then
 from the embedding, whose stock backward allocates a second vocabulary-sized tensor to add to the first (147 MiB
 for GPT-2, at the end of backward, with every gradient alive). Where the embedding runs :func:`tied_embedding`
