@@ -1078,3 +1078,22 @@ def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks(
     assert packed == [x.shape]  # the checkpoint's input only, not the two linears' outputs
     (ref,) = torch.autograd.grad(unit(x).sum(), x)
     assert torch.equal(x.grad, ref)
+
+
+@pytest.mark.parametrize("strategy,budget", [("all", None), ("ilp", 0.9)])
+def test_gpt2_called_as_users_call_it_recomputes_without_its_cache(strategy: str, budget: float | None) -> None:
+    """``model(input_ids=ids, labels=ids)``: GPT-2's ``config.use_cache`` is on, and ``GPT2Model`` passes the cache
+    to each block by position. A recomputed block must not write its keys and values into it a second time (that
+    raised in backward, and in planning, which measures recomputations, at any budget)."""
+    model, adapter, batch = zoo.small("hf/gpt2")
+    ids = batch.kwargs["input_ids"]
+    user = zoomem.Batch(kwargs={"input_ids": ids, "labels": ids})
+    assert model.config.use_cache
+    ref_loss, ref_grads, _ = _step(copy.deepcopy(model), adapter, user)
+    zoomem.wrap(model, budget, strategy=strategy, adapter=adapter, batch=user)
+    ((_, plan),) = model._zoomem.plans.items()
+    assert strategy != "all" or set(plan.decisions.values()) == {Decision.RECOMPUTE}
+    loss, grads, _ = _step(model, adapter, user)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    _assert_grads_close(grads, ref_grads, f"gpt2 {strategy}")
+    zoomem.unwrap(model)

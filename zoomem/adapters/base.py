@@ -101,10 +101,11 @@ class Adapter:
         """Turn the zoo's own full checkpointing on or off; return False where the model has none."""
         return False
 
-    def recompute_kwargs(self, unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The keyword arguments a unit gets in a step that recomputes units: what makes its forward safe to run
-        twice (the zoo's own checkpointing passes the same). Unchanged by default."""
-        return kwargs
+    def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments a unit gets in a step that recomputes units: what makes its forward safe to run twice
+        (the zoo's own checkpointing passes the same). Unchanged by default."""
+        return args, kwargs
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

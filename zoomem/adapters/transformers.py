@@ -260,19 +260,28 @@ class TransformersAdapter(Adapter):
             return loss
         return default_loss(output, batch.target)
 
-    def recompute_kwargs(self, unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """As HF's ``GradientCheckpointingLayer`` does under its own checkpointing: no ``use_cache``, and no
-        key/value cache (``cache``, ``layer_past``) unless the layer only reads it. A recomputation would otherwise
-        append the layer's keys and values to the cache a second time (T5's decoder trains with
-        ``use_cache=True`` by default) and, reading twice as many keys, save other tensors than its forward did."""
+        key/value cache (``cache``, ``layer_past``, or a ``Cache`` passed by position, as ``GPT2Model`` passes it
+        to its blocks) unless the layer only reads it. A recomputation would otherwise append the layer's keys and
+        values to the cache a second time (T5's decoder trains with ``use_cache=True`` by default, and so does
+        GPT-2 where the batch does not say ``use_cache=False``: its ``config.use_cache`` is the default) and,
+        reading twice as many keys, save other tensors than its forward did. HF's own checkpointing is spared the
+        positional case because ``GPT2Model`` passes ``None`` itself while its flag is on."""
         changed = dict(kwargs)
         if changed.get("use_cache"):
             changed["use_cache"] = False
-        if not getattr(unit, "_can_checkpoint_with_cache", False):
-            for name in ("cache", "layer_past"):
-                if changed.get(name) is not None:
-                    changed[name] = None
-        return changed
+        if getattr(unit, "_can_checkpoint_with_cache", False):
+            return args, changed
+        for name in ("cache", "layer_past"):
+            if changed.get(name) is not None:
+                changed[name] = None
+        from transformers.cache_utils import Cache
+
+        if any(isinstance(a, Cache) for a in args):
+            args = tuple(None if isinstance(a, Cache) else a for a in args)
+        return args, changed
 
     def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
         supported = bool(getattr(model, "supports_gradient_checkpointing", False))

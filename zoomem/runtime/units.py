@@ -162,7 +162,7 @@ def run_unit(
 
 def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
                             units: list[Unit], decisions: dict[str, Decision],
-                            recompute_kwargs: Callable[[nn.Module, dict], dict] | None = None) -> dict[int, int]:
+                            recompute_inputs: Callable[[nn.Module, tuple, dict], tuple[tuple, dict]] | None = None) -> dict[int, int]:
     """Per unit segment (1..n) with a decision in ``decisions``: the bytes its recomputation in backward rises
     above where it starts, in one training step that runs those units as :func:`run_unit` does.
 
@@ -170,14 +170,14 @@ def measure_recompute_rises(model: nn.Module, batch: Batch, loss_fn: Callable[[A
     forward's cache, so it allocates only the cheap ops' tensors (ResNet-50's first block at batch 16, 224 px: its
     four conv outputs, 122.5 MiB, less than the traced rise). The step's state is put back
     (:func:`~zoomem.graph.timeline.restored_state`); empty when a profiler or meter is running.
-    ``recompute_kwargs``: the adapter's, as the runtime applies them."""
+    ``recompute_inputs``: the adapter's, as the runtime applies them."""
     return {seg: rise for seg, (rise, _) in _measure_recomputations(
-        model, batch, loss_fn, units, decisions, recompute_kwargs).items()}
+        model, batch, loss_fn, units, decisions, recompute_inputs).items()}
 
 
 def measure_recompute_backward(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
                                units: list[Unit], decisions: dict[str, Decision],
-                               recompute_kwargs: Callable[[nn.Module, dict], dict] | None = None) -> dict[int, int]:
+                               recompute_inputs: Callable[[nn.Module, tuple, dict], tuple[tuple, dict]] | None = None) -> dict[int, int]:
     """Per unit segment with a decision in ``decisions``: the peak of its backward after its recomputation, above
     where the recomputation started, in one step run as :func:`measure_recompute_rises` runs it (the backward
     ends where its input's gradient is ready; units whose input needs none are left out).
@@ -187,12 +187,12 @@ def measure_recompute_backward(model: nn.Module, batch: Batch, loss_fn: Callable
     plainly and a 1-bit mask compactly (the output then goes at once); a form whose tensor the recomputation makes
     anyway takes nothing more off (GPT-2, Llama). Empty when a profiler or meter is running."""
     return {seg: peak for seg, (_, peak) in _measure_recomputations(
-        model, batch, loss_fn, units, decisions, recompute_kwargs).items() if peak is not None}
+        model, batch, loss_fn, units, decisions, recompute_inputs).items() if peak is not None}
 
 
 def _measure_recomputations(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor],
                             units: list[Unit], decisions: dict[str, Decision],
-                            recompute_kwargs: Callable[[nn.Module, dict], dict] | None
+                            recompute_inputs: Callable[[nn.Module, tuple, dict], tuple[tuple, dict]] | None
                             ) -> dict[int, tuple[int, int | None]]:
     """Per unit segment with a decision: its recomputation's rise above its start, and the peak of the unit's
     backward after it above the same start (``None`` where its input needs no gradient), in one training step
@@ -217,8 +217,8 @@ def _measure_recomputations(model: nn.Module, batch: Batch, loss_fn: Callable[[A
                 mark("replay", seg)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if recompute_kwargs is not None and torch.is_grad_enabled():
-                kwargs = recompute_kwargs(module, kwargs)
+            if recompute_inputs is not None and torch.is_grad_enabled():
+                args, kwargs = recompute_inputs(module, args, kwargs)
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
             if first is not None and torch.is_grad_enabled():  # its gradient ready: the unit's backward has run
                 hooks.append(first.register_hook(lambda grad: mark("backward", seg)))

@@ -63,7 +63,7 @@ class _Active:
     """Units whose next unit drops its input (``RECOMPUTE_CHAIN``): they register how to bring it back."""
     chain: Chain | None = None
     recomputes: bool = False
-    """Some unit recomputes: every unit then runs with the adapter's ``recompute_kwargs`` (no KV cache), so the
+    """Some unit recomputes: every unit then runs with the adapter's ``recompute_inputs`` (no KV cache), so the
     step's cache is not left with some layers only."""
 
     @classmethod
@@ -361,7 +361,7 @@ def cost_model(
     cheap = {u: Decision.RECOMPUTE_CHEAP for i, u in enumerate(costs.units)
              if (Decision.RECOMPUTE_CHEAP, 0) in unit_modes(costs, i)}
     if cheap and not graph.cheap_rise and graph.timeline:  # what recomputing only the cheap ops holds
-        graph.cheap_rise = measure_recompute_rises(model, batch, loss, units, cheap, adapter.recompute_kwargs)
+        graph.cheap_rise = measure_recompute_rises(model, batch, loss, units, cheap, adapter.recompute_inputs)
     early = [u for u in graph.compact_recompute_units
              if u in costs.compact_saving and costs.compact_saving[u].released > 0]
     if early and not graph.compact_recompute_gain and graph.timeline:  # what their forms take off, recomputed
@@ -380,10 +380,10 @@ def _compact_recompute_gain(model: nn.Module, batch: Batch, loss: Callable[[Any,
     """Per segment of the units in ``forms``: the bytes those compact forms take off the unit's backward when it
     is recomputed (its peak above the recomputation's start), two steps with every one of them recomputed."""
     recomputed = {u: Decision.RECOMPUTE for u in forms}
-    plain = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
+    plain = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_inputs)
     undo = install_all(forms)
     try:
-        compact = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_kwargs)
+        compact = measure_recompute_backward(model, batch, loss, units, recomputed, adapter.recompute_inputs)
     finally:
         undo()
     return {seg: plain[seg] - compact[seg] for seg in plain if seg in compact}
@@ -1108,7 +1108,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
                 handle.active = previous
 
         if active is not None and active.recomputes and torch.is_grad_enabled():
-            kwargs = handle.adapter.recompute_kwargs(unit.module, kwargs)  # no KV cache written twice
+            args, kwargs = handle.adapter.recompute_inputs(unit.module, args, kwargs)  # no KV cache written twice
         chain = active.chain if active is not None and torch.is_grad_enabled() else None
         recipe = None
         if chain is not None and unit.name in active.feeds_chain:  # type: ignore[union-attr]
