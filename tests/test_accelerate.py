@@ -29,6 +29,7 @@ import torch
 
 import zoomem
 import zoomem.accelerate as za
+from zoomem import zoo
 
 LAUNCH = Path(__file__).resolve().parent / "launch" / "ddp_checks.py"
 _spec = importlib.util.spec_from_file_location("_zoomem_ddp_checks", LAUNCH)
@@ -230,6 +231,43 @@ def test_trainer_callback_single_process(tmp_path: Path, fresh_accelerate: None,
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     assert _recomputes([u.decision.value for u in cb.plans[0].units])
     assert sum("zoomem plan (ilp" in m for m in caplog.messages) == 1, caplog.messages
+    assert not zoomem.is_wrapped(wrapped.model)
+
+
+def test_trainer_callback_with_skip_logits_trains_a_causal_lm(tmp_path: Path, fresh_accelerate: None) -> None:
+    """``ZoomemCallback(budget, skip_logits=True)`` on a causal LM: the Trainer reads ``outputs["loss"]``, so it
+    trains on the forward that returns ``logits=None``, with plain training's losses and parameters."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainingArguments
+
+    from zoomem.hf_trainer import ZoomemCallback
+
+    def run(callback: Any) -> tuple[Any, list[bool]]:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model, _ = zoo.build("hf/gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64)
+        ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(5))
+        rows = [{"input_ids": r, "labels": r} for r in ids]
+        seen: list[bool] = []
+        model.register_forward_hook(lambda m, a, out: seen.append(out.logits is None) if m.training else None)
+        targs = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3,
+                                  per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
+                                  save_strategy="no", seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=targs, train_dataset=rows, callbacks=[callback] if callback else None)
+        trainer.train()
+        return trainer, seen
+
+    with torch.random.fork_rng(devices=[]):
+        cb = ZoomemCallback(0.6, skip_logits=True)  # (without skip_logits the smallest budget is 65%)
+        (plain, seen_plain), (wrapped, seen) = run(None), run(cb)
+    assert cb.plans[0].outside_compact  # the fused loss runs
+    assert seen_plain == [False] * 3 and seen[-3:] == [True] * 3, seen  # (planning's own forwards come first)
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (plain, wrapped)]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-6), losses
+    for p, q in zip(plain.model.parameters(), wrapped.model.parameters()):  # (AdamW scales a gradient's ~1e-7
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)                 # relative rounding by 1/sqrt(v))
     assert not zoomem.is_wrapped(wrapped.model)
 
 

@@ -591,9 +591,9 @@ def test_skip_logits_returns_no_logits_and_stock_gradients(mode: str, monkeypatc
         assert (out.logits is None) == skip and type(out).__name__ == "CausalLMOutputWithCrossAttentions"
         assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward"
         assert rel(losses[1], losses[0]) < (1e-6 if mode == "fp32" else 1e-5)
-        # bf16: a slice made again may differ from the forward's logits in the last bit (another blocking of the
-        # product), within bf16's rounding of stock's gradient
-        tol = 1e-5 if mode == "fp32" else 1e-2 if skip else 1e-3
+        # bf16: the products a slice at a time (small slices here), and a slice made again, may differ from the
+        # forward's in the last bit (another blocking): within bf16's rounding of stock's gradient
+        tol = 1e-5 if mode == "fp32" else 1e-2
         for (n, a), b in zip(stock.named_parameters(), ours.parameters()):
             assert rel(b.grad, a.grad) < tol, n
     logits_bytes = 2 * 20 * 300 * (2 if mode == "autocast" else 4)  # the head's output (bf16 under autocast)
