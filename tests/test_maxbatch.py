@@ -197,3 +197,21 @@ def test_cli_max_batch_writes_json_log_png_and_renders(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit) as exit_:  # `zoomem bench ...` is scripts/bench.py, flags untouched
         main(["bench", "--help"])
     assert exit_.value.code == 0 and "baseline" in capsys.readouterr().out
+
+
+def test_skip_logits_gives_zoomem_larger_batches_on_a_language_model() -> None:
+    """A GPT-2 layout whose logits (50257 per token) are most of a sample's bytes: with ``--skip-logits`` zoomem's
+    lossless plans fit a larger batch within the same budget, and the settings and table say so."""
+    from zoomem.cli import build_parser
+
+    gpt = {"n_layer": 1, "n_embd": 32, "n_head": 2}
+    found = {}
+    for skip in (False, True):
+        data = maxbatch.run("hf/gpt2", 64 * MIB, ["lossless"], overrides=gpt, sizes={"seq_len": 32},
+                            config=SearchConfig(time_steps=0, skip_logits=skip), progress=False)
+        (row,) = data["results"]
+        found[skip] = row["max_value"]
+        assert data["settings"]["skip_logits"] == skip
+        assert ("zoomem with skip_logits" in maxbatch.format_results(data)) == skip
+    assert found[True] > found[False] >= 1, found
+    assert build_parser().parse_args(["max-batch", "hf/gpt2", "--budget", "1GiB", "--skip-logits"]).skip_logits

@@ -277,6 +277,9 @@ class SearchConfig:
     time_limit: float = 10.0
     compile_budget: float = 0.5
     compile_timeout: float = 600.0
+    skip_logits: bool = False
+    """zoomem's methods wrap with ``skip_logits=True`` (HF LMs: the training forward returns ``logits=None`` where the
+    fused LM-head loss runs); plain PyTorch and the peers return their logits as usual."""
     isolate: bool = False
     """Run each probe in a forked child process where that is safe (CPU, one torch thread, and no multi-threaded
     OpenMP pool created earlier in this process: GNU OpenMP hangs in a child forked from such a parent, which is
@@ -324,11 +327,11 @@ def _plain(p: _Probe) -> Prepared:
     return Prepared(p.model)
 
 
-def _wrap(p: _Probe, budget: int | None = None, **kwargs: Any) -> Prepared:
+def _wrap(p: _Probe, budget: int | None = None, peer: bool = False, **kwargs: Any) -> Prepared:
     import zoomem
 
     zoomem.wrap(p.model, budget, adapter=p.adapter, optimizer=p.optimizer, loss_fn=p.loss_fn,
-                time_limit=p.config.time_limit, **kwargs)
+                time_limit=p.config.time_limit, skip_logits=p.config.skip_logits and not peer, **kwargs)
     return Prepared(p.model, close=lambda: zoomem.unwrap(p.model))
 
 
@@ -337,7 +340,7 @@ def _native(p: _Probe) -> Prepared:
         label = {"transformers": "HF gradient_checkpointing_enable", "timm": "timm set_grad_checkpointing"}.get(
             p.adapter.name, f"{p.adapter.name} native checkpointing")
         return Prepared(p.model, label=label)
-    prepared = _wrap(p, strategy="all")
+    prepared = _wrap(p, peer=True, strategy="all")
     prepared.label = f"full checkpointing ({p.adapter.name} has none: zoomem `all`)"
     return prepared
 
@@ -688,7 +691,8 @@ def _search_method(workload: Workload, method: Method, budget_bytes: int, config
         key = ProbeLog.key(**workload.describe(), k=k, method=method.name, method_key=method.key,
                            budget_bytes=budget_bytes, device=torch.device(config.device).type, seed=config.seed,
                            foreach=config.foreach,
-                           **({"compile_budget": config.compile_budget} if method.name == "compile" else {}))
+                           **({"compile_budget": config.compile_budget} if method.name == "compile" else {}),
+                           **({"skip_logits": True} if config.skip_logits and method.kind == "zoomem" else {}))
         rec = log.get(key)
         if rec is None or (rec.get("fits") and len(rec.get("step_s", [])) < config.time_steps):
             rec = probe(workload, method, k, budget_bytes, config)
@@ -947,6 +951,7 @@ def run(
             "isolated_probes": "each probe in a forked child process (not compile's)"
                                if any(_isolated(m, config) for m in chosen) else "in this process",
             "solver_time_limit_s": config.time_limit,
+            "skip_logits": config.skip_logits,
             "reused_probes": log.reused,
             "probe_s": sum(p["probe_s"] for r in rows for p in r["probes"]),
         },
@@ -990,7 +995,9 @@ def format_results(data: dict[str, Any], markdown: bool = False) -> str:
     head = (f"{s['model']}{' ' + json.dumps(s['overrides']) if s['overrides'] else ''}"
             f"{' sizes ' + json.dumps(s['sizes']) if s['sizes'] else ''}"
             f"{'; batch ' + str(s['batch_size']) if dim != 'batch' else ''}; budget {s['budget_text']} "
-            f"({s['budget_bytes'] / MIB:.1f} MiB); {machine_line(data['machine'])}; {data['wall_s']:.0f} s"
+            f"({s['budget_bytes'] / MIB:.1f} MiB)"
+            f"{'; zoomem with skip_logits' if s.get('skip_logits') else ''}; {machine_line(data['machine'])}; "
+            f"{data['wall_s']:.0f} s"
             + (f" (the probes: {s['probe_s']:.0f} s, {s['reused_probes']} of them reused from the log)"
                if s.get("reused_probes") else ""))
     lines = [("`" + data["command"] + "`\n\n" if markdown and data.get("command") else "") + head, "",
@@ -1141,6 +1148,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give up on a torch.compile first step after this many seconds (default: %(default)s)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0,
                    help="seconds for each zoomem plan (warm start, program and bound together)")
+    p.add_argument("--skip-logits", dest="skip_logits", action="store_true",
+                   help="HF LMs: zoomem's methods wrap with skip_logits=True (the training forward returns "
+                   "logits=None where the fused LM-head loss runs; plain PyTorch and the peers keep them)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
                    help="run each probe in a forked child process on CPU with one torch thread (--threads 1), so "
                    "that what a probe leaks dies with it; only in a fresh process (default: %(default)s)")
@@ -1169,7 +1179,7 @@ def main(args: argparse.Namespace, command: str = "") -> int:
         raise ValueError("--resume needs a probe log: pass --out or --log.")
     config = SearchConfig(device=args.device, seed=args.seed, foreach=args.foreach, time_steps=args.time_steps,
                           time_limit=args.time_limit, compile_budget=args.compile_budget,
-                          compile_timeout=args.compile_timeout, isolate=args.isolate)
+                          compile_timeout=args.compile_timeout, isolate=args.isolate, skip_logits=args.skip_logits)
     data = run(args.model, args.budget, args.methods, dim=args.dim, overrides=_overrides(args.set), sizes=sizes,
                batch_size=args.batch, config=config, start=args.start, cap=args.cap, rtol=args.rtol,
                ref_value=args.ref_value, log=ProbeLog(log_path, args.resume), progress=args.progress,
