@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
 import zoomem
-from zoomem.benchtools import median, model_and_batch
+from zoomem.benchtools import interleaved_medians, model_and_batch
 from zoomem.planner import CostModel
 from zoomem.planner.costs import OUTSIDE_UNITS
 from zoomem.runtime.wrap import _loss, cost_model
@@ -49,21 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
     plan = next(iter(model.__dict__["_zoomem"].plans.values()))  # the plan in force: switched per configuration
     configs = {"no form": (False, False), "every unit's forms": (True, False), "forms outside the units": (False, True)}
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for r in range(args.rounds + 1):  # the first round warms up
-        for name, (units_on, outside_on) in configs.items():
-            for u in plan.units:
-                u.compact = units_on
-            plan.outside_compact = outside_on
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss_fn(batch.call(model), batch).backward()
-            if r:
-                times[name].append(time.perf_counter() - start)
+
+    def step(name: str) -> None:
+        units_on, outside_on = configs[name]
+        for u in plan.units:
+            u.compact = units_on
+        plan.outside_compact = outside_on
+        model.zero_grad(set_to_none=True)
+        loss_fn(batch.call(model), batch).backward()
+
+    medians = interleaved_medians(list(configs), step, args.rounds)
     zoomem.unwrap(model)
-    base = median(times["no form"])
-    for name, values in times.items():
-        mid = median(values)
+    base = medians["no form"]
+    for name, mid in medians.items():
         print(f"{name}: median {mid:.3f} s over {args.rounds} interleaved steps, {mid - base:+.3f} s "
               f"({mid / base:.3f}x)")
     return 0

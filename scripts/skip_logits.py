@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 import torch
 
 import zoomem
-from zoomem.benchtools import median, model_and_batch
+from zoomem.benchtools import interleaved_medians, model_and_batch
 from zoomem.ops.loss import set_skip_logits
 from zoomem.runtime.wrap import _loss
 
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if meter is not None:
             meter.mark("forward")
         loss_fn(out, batch).backward()
-        return out
+        return out  # (the caller holds the output to the end of the step)
 
     for name in CONFIGS:
         with zoomem.MemoryMeter(model, batch) as meter:
@@ -65,19 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: logits returned {out.logits is not None}; held after forward "
               f"{report.activation_bytes / MIB:.1f} MiB, step peak {report.peak_bytes / MIB:.1f} MiB")
         del out
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for r in range(args.rounds + 1):  # the first round warms up
-        for name in CONFIGS:
-            start = time.perf_counter()
-            out = step(name)
-            del out
-            if r:
-                times[name].append(time.perf_counter() - start)
+    medians = interleaved_medians(list(CONFIGS), step, args.rounds)
     zoomem.unwrap(model)
-    base = median(times["fused loss"])
-    for name, values in times.items():
-        mid = median(values)
-        print(f"{name}: median {mid:.3f} s over {args.rounds} interleaved steps ({mid / base:.3f}x the fused loss)")
+    for name, mid in medians.items():
+        print(f"{name}: median {mid:.3f} s over {args.rounds} interleaved steps "
+              f"({mid / medians['fused loss']:.3f}x the fused loss)")
     return 0
 
 

@@ -12,8 +12,9 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["Alarm", "exc_text", "git_info", "grid", "machine_info", "machine_line", "median", "model_and_batch",
            "result_head", "train_step"]
@@ -141,6 +142,19 @@ def exc_text(exc: BaseException) -> str:
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def interleaved_medians(names: Sequence[str], step: Callable[[str], Any], rounds: int) -> dict[str, float]:
+    """Median seconds of ``step(name)`` per name over ``rounds`` rounds that run every name in turn, after one
+    untimed warm-up round: each configuration meets the machine's drift alike."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):
+        for name in names:
+            start = time.perf_counter()
+            step(name)
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {name: median(values) for name, values in times.items()}
 
 
 def grid(heads: Sequence[str], cells: Sequence[Sequence[str]], markdown: bool, left: int = 2) -> str:
