@@ -254,20 +254,22 @@ def test_trainer_callback_with_skip_logits_trains_a_causal_lm(tmp_path: Path, fr
         model.register_forward_hook(lambda m, a, out: seen.append(out.logits is None) if m.training else None)
         targs = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3,
                                   per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
-                                  save_strategy="no", seed=0, disable_tqdm=True)
+                                  save_strategy="no", seed=0, disable_tqdm=True, optim="sgd")
         trainer = Trainer(model=model, args=targs, train_dataset=rows, callbacks=[callback] if callback else None)
         trainer.train()
         return trainer, seen
 
     with torch.random.fork_rng(devices=[]):
-        cb = ZoomemCallback(0.6, skip_logits=True)  # (without skip_logits the smallest budget is 65%)
+        cb = ZoomemCallback(0.55, skip_logits=True)  # (without skip_logits the smallest budget is 60%)
         (plain, seen_plain), (wrapped, seen) = run(None), run(cb)
     assert cb.plans[0].outside_compact  # the fused loss runs
     assert seen_plain == [False] * 3 and seen[-3:] == [True] * 3, seen  # (planning's own forwards come first)
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (plain, wrapped)]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-6), losses
-    for p, q in zip(plain.model.parameters(), wrapped.model.parameters()):  # (AdamW scales a gradient's ~1e-7
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)                 # relative rounding by 1/sqrt(v))
+    # SGD: the fused loss's gradients differ from stock's in the last bits, which AdamW's 1/sqrt(v) would blow up
+    # to a whole step of the learning rate where a gradient is near zero
+    for p, q in zip(plain.model.parameters(), wrapped.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     assert not zoomem.is_wrapped(wrapped.model)
 
 
