@@ -123,6 +123,48 @@ def test_state_dict_optimizer_and_unwrap_unchanged() -> None:
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+_FREED = """
+import gc, sys, weakref
+import torch
+import zoomem
+from zoomem import zoo
+
+alive = []
+for model_id in sys.argv[1:]:
+    for how in ({"budget": 1.0}, {"strategy": "all"}, {"level": "L2"}):
+        model, adapter, batch = zoo.small(model_id)
+        optimizer = torch.optim.AdamW(model.parameters())
+        refs = [weakref.ref(model), weakref.ref(next(model.parameters()))]
+        zoomem.wrap(model, adapter=adapter, optimizer=optimizer, **how)
+        for _ in range(2):
+            adapter.loss(model, batch, batch.call(model)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert model._zoomem.plans, "nothing planned"
+        zoomem.unwrap(model)
+        del model, adapter, batch, optimizer
+        gc.collect()
+        if any(r() is not None for r in refs):
+            alive.append(f"{model_id} {how}")
+print("alive:", alive)
+"""
+
+
+def test_a_wrapped_model_is_freed_once_unwrapped_and_dropped() -> None:
+    """Nothing zoomem keeps outlives a model's last reference: planning in a loop (a sweep, a max-batch search,
+    a notebook cell run again) must not hold every model it saw. Both ways it once did need a fresh process: the
+    first plan of a process imported PuLP, whose stored import errors kept that plan's frames and model; and the
+    scan for saved outputs packed each output as itself, a reference cycle through autograd's C++ that the
+    collector cannot see (every model with compact forms to choose, every plan)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FREED, "timm/resnet18", "hf/gpt2"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "alive: []" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_eval_no_grad_and_new_shapes(caplog: pytest.LogCaptureFixture) -> None:
     model, adapter, batch = zoo.small("hf/bert-base-uncased")
     zoomem.wrap(model, strategy="all", adapter=adapter)

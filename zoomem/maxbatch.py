@@ -284,8 +284,8 @@ class SearchConfig:
     """Run each probe in a forked child process where that is safe (CPU, one torch thread, and no multi-threaded
     OpenMP pool created earlier in this process: GNU OpenMP hangs in a child forked from such a parent, which is
     why it is opt-in, for a fresh command-line process; not ``compile``, whose graphs are reused across probes as they are
-    across a training run's steps): whatever a probe leaves behind (zoomem leaks a graph per plan on models
-    whose sensitivities cannot be measured, such as timm ViTs on CPU) dies with the child."""
+    across a training run's steps): whatever a probe leaves behind (the heap the allocator keeps grown, anything a
+    model's own code caches) dies with the child."""
 
 
 @dataclass

@@ -684,7 +684,9 @@ def scan_outputs(model: nn.Module, *args: Any, **kwargs: Any) -> OutputUses:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage().data_ptr())
-        return t
+        # detached: a node holding its own output as packed (the hook's result) would make a reference cycle
+        # through autograd's C++ that the collector cannot see, keeping the graph and the model alive for good
+        return t.detach()
 
     handles = []
     for mod in names:

@@ -18,6 +18,10 @@ import time
 from functools import lru_cache
 from typing import Callable, Iterator
 
+# imported with zoomem, not on the first plan: PuLP keeps the import errors of the solvers it lacks, tracebacks
+# included, on its solver classes, and those frames' callers (the first plan's, with its model) would live on
+import pulp
+
 from .compression import CompressOptions, region_of
 from .costs import OUTSIDE_UNITS, CostModel
 from .plan import Decision, InfeasibleBudgetError, Plan, UnitPlan
@@ -107,7 +111,6 @@ program that names the smallest feasible budget is solved to the solver's defaul
 
 def _solver(time_limit: float, msg: bool = False, gap: float | None = None):  # type: ignore[no-untyped-def]
     """HiGHS when installed, else CBC; either starts from the variables' initial values (a warm start)."""
-    import pulp
 
     if "HiGHS" in _available_solvers():
         return "HiGHS", _warm_highs()(msg=msg, timeLimit=time_limit, gapRel=gap)
@@ -119,7 +122,6 @@ def _warm_highs() -> type:
     """PuLP's HiGHS, given the variables' initial values as a (partial) MIP start: PuLP passes them to CBC
     (``warmStart``) but not to HiGHS, which completes a partial start itself."""
     import numpy as np
-    import pulp
 
     class WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, name-defined]
         def callSolver(self, lp):  # type: ignore[no-untyped-def]
@@ -159,10 +161,6 @@ def solve(prob, solver) -> None:  # type: ignore[no-untyped-def]
 
 @lru_cache(maxsize=1)
 def _available_solvers() -> tuple[str, ...]:
-    try:
-        import pulp
-    except ImportError as e:  # pragma: no cover - pulp is a dependency
-        raise ImportError("The ILP planner needs PuLP: pip install pulp (it ships the CBC solver).") from e
     return tuple(pulp.listSolvers(onlyAvailable=True))
 
 
@@ -204,7 +202,6 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     lossy all or none. The compact forms outside the units are on in compression modes, and elsewhere the
     program's choice (one 0-1 switch for the plan, a measured gain per point, their time in the objective).
     """
-    import pulp
 
     prob = pulp.LpProblem("zoomem", pulp.LpMinimize)
     cat = pulp.LpContinuous if relax else pulp.LpBinary
@@ -453,7 +450,6 @@ def _decisions_ilp(model: CostModel, budget: int | None, time_limit: float = 10.
     """The program under ``budget``, solved by ``deadline`` (``time.perf_counter()`` seconds; default: ``time_limit``
     from now), then relaxed in place for its LP bound in the time left. ``warm``: a plan to start from (default:
     the greedy baseline's, lossless programs only)."""
-    import pulp
 
     if budget is None:
         return _decisions_none(model, None), {"solver": "", "status": "no budget"}
