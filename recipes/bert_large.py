@@ -89,18 +89,6 @@ def resolve_defaults(args: argparse.Namespace, device_type: str) -> None:
 # ---------------------------------------------------------------------------------------------- data
 
 
-def _fixed_length(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Pad (with id 0) or cut the embedded task's token ids to ``seq_len``."""
-    if ids.size(1) >= seq_len:
-        return ids[:, :seq_len].contiguous()
-    return torch.nn.functional.pad(ids, (0, seq_len - ids.size(1)))
-
-
-def _tokenize(tokenizer: Any, texts: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tokenizer(*texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
-
-
 def load_data(args: argparse.Namespace, tokenizer: Any | None) -> tuple[TensorDataset, TensorDataset, dict[str, Any]]:
     """(train, test) as ``(input_ids, attention_mask, labels)`` tensors of fixed length, and what they are."""
     if args.dataset == "text":
@@ -108,11 +96,11 @@ def load_data(args: argparse.Namespace, tokenizer: Any | None) -> tuple[TensorDa
         info = {"name": "text", "source": "WordNet 3.0 glosses of the ImageNet-22k synsets, "
                 f"{data.info['source']}, labelled by WordNet category", "classes": list(tasks.TEXT_CATEGORIES)}
         if tokenizer is None:  # the task's own word-level ids (0 = padding)
-            splits = [_fixed_length(x, args.seq_len) for x in (data.train_x, data.test_x)]
+            splits = [recipes.fixed_length(x, args.seq_len) for x in (data.train_x, data.test_x)]
             encoded = [(ids, (ids != 0).long()) for ids in splits]
             info["vocab_size"] = data.info["vocab_size"]
         else:  # a checkpoint's tokenizer reads the glosses themselves
-            encoded = [_tokenize(tokenizer, [data.info[k]], args.seq_len) for k in ("train_texts", "test_texts")]
+            encoded = [recipes.tokenize(tokenizer, [data.info[k]], args.seq_len) for k in ("train_texts", "test_texts")]
         labels = [data.train_y, data.test_y]
     else:
         encoded, labels, info = _hub_dataset(args, tokenizer)
@@ -142,7 +130,7 @@ def _hub_dataset(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list, 
         y = torch.tensor(list(part["label"]))
         if (y < 0).all():
             raise ValueError(f"--dataset {args.dataset}: split {split!r} has no labels (a hidden test set).")
-        encoded.append(_tokenize(tokenizer, [list(part[c]) for c in columns], args.seq_len))
+        encoded.append(recipes.tokenize(tokenizer, [list(part[c]) for c in columns], args.seq_len))
         labels.append(y)
     classes = getattr(train.features["label"], "names", None)
     return encoded, labels, {"name": args.dataset, "source": f"datasets.load_dataset({name!r}, {config or None!r}), "

@@ -273,6 +273,44 @@ def test_trainer_callback_with_skip_logits_trains_a_causal_lm(tmp_path: Path, fr
     assert not zoomem.is_wrapped(wrapped.model)
 
 
+def test_skip_logits_under_accelerate_bf16_returns_no_float32_copy(fresh_accelerate: None) -> None:
+    """Under ``mixed_precision="bf16"`` Accelerate's forward turns half-precision outputs into float32 copies, and
+    zoomem wraps that forward: the logits its fused loss left unsaved are dropped before the conversion (before,
+    their float32 copy came back and was held into backward). Gradients as the same plan's keeping its logits,
+    within the bf16 rounding of the vocabulary slices made again in backward."""
+    from accelerate import Accelerator
+
+    from zoomem.ops.loss import set_skip_logits
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, _ = zoo.build("hf/gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=4096, n_positions=64)
+    model.config.use_cache = False
+    ids = torch.randint(0, 4096, (8, 32), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "labels": ids}
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = za.prepare(acc, model, opt, budget=0.83, skip_logits=True)  # (the least is 81%)
+    torch.manual_seed(1)  # the same dropout masks in both forwards
+    out = model(**batch)
+    assert za.plans(model)[0].outside_compact  # the fused loss runs
+    assert out.logits is None and out.loss.dtype == torch.float32
+    acc.backward(out.loss)
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    set_skip_logits(acc.unwrap_model(model), False)  # the same plan keeping its logits: Accelerate converts them
+    torch.manual_seed(1)
+    kept = model(**batch)
+    assert kept.logits.dtype == torch.float32
+    acc.backward(kept.loss)
+    assert out.loss.item() == pytest.approx(kept.loss.item(), rel=1e-3)
+    for (name, p), g in zip(model.named_parameters(), grads):
+        assert (g - p.grad).norm() <= 1e-2 * p.grad.norm() + 1e-6, name
+    model.eval()
+    with torch.no_grad():  # evaluation keeps its logits, converted as Accelerate converts them
+        assert model(**batch).logits.dtype == torch.float32
+
+
 def test_trainer_callback_refuses_hf_gradient_checkpointing(tmp_path: Path, fresh_accelerate: None) -> None:
     from zoomem.hf_trainer import ZoomemCallback
 

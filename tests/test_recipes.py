@@ -83,6 +83,25 @@ def test_bert_two_gloo_processes(tmp_path: Path) -> None:
     assert summary["zoomem"]["plans"][0]["recomputed_units"] >= 1
 
 
+def test_gpt2_without_logits_trains_as_plain_pytorch(tmp_path: Path) -> None:
+    """The causal-LM recipe: zoomem's plan with ``skip_logits`` (the default) returns no logits in training, holds
+    less than plain PyTorch, and trains the same (seeded losses; evaluation has its logits)."""
+    tiny = [*TINY_BERT, "--eval-batch-size", "256", "--budget", "60%"]
+    off, _ = launch("gpt2", tmp_path / "off", *TINY_BERT, "--eval-batch-size", "256", "--zoomem", "off")
+    on, _ = launch("gpt2", tmp_path / "on", *tiny)
+    assert off is not None and on is not None
+    assert off["training_forward_returned_logits"] is True and on["training_forward_returned_logits"] is False
+    assert on["zoomem"]["skip_logits"] is True and "skip_logits" not in off["zoomem"]
+    assert on["zoomem"]["plans"][0]["measured_peak_mib"] <= on["zoomem"]["plans"][0]["budget_mib"]
+    assert on["peak_memory_mib"] < 0.6 * off["peak_memory_mib"]
+    assert set(on["loss_log"]) == {"2", "4"}
+    for step, loss in off["loss_log"].items():
+        assert on["loss_log"][step] == pytest.approx(loss, rel=1e-4), step
+    assert on["eval_loss"] == pytest.approx(off["eval_loss"], rel=1e-4)
+    assert on["model"]["vocab_size"] == off["model"]["vocab_size"] > 10000  # the task's word-level vocabulary
+    assert on["dataset"]["test"] == 3797 and on["eval_perplexity"] > 1
+
+
 def test_cpu_num_processes_is_caught(tmp_path: Path) -> None:
     """`accelerate launch --cpu --num_processes 2` starts one process: --expect-processes 2 makes that an error."""
     _, proc = launch("gnn", tmp_path, "--expect-processes", "2", "--steps", "1", launch_flags=("--cpu",),

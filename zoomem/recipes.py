@@ -48,9 +48,11 @@ __all__ = [
     "add_common_args",
     "batches",
     "finish",
+    "fixed_length",
     "make_accelerator",
     "plan_info",
     "setup_logging",
+    "tokenize",
     "total_steps",
     "warmup_cosine",
     "wrap_options",
@@ -248,6 +250,24 @@ def warmup_cosine(
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warm) / max(1, steps - warm))))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def fixed_length(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Pad (with id 0) or cut token ids ``[rows, length]`` to ``seq_len`` (the embedded text task's ids).
+
+    >>> fixed_length(torch.tensor([[5, 6, 7]]), 5).tolist(), fixed_length(torch.tensor([[5, 6, 7]]), 2).tolist()
+    ([[5, 6, 7, 0, 0]], [[5, 6]])
+    """
+    if ids.size(1) >= seq_len:
+        return ids[:, :seq_len].contiguous()
+    return torch.nn.functional.pad(ids, (0, seq_len - ids.size(1)))
+
+
+def tokenize(tokenizer: Any, texts: list[Any], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of ``tokenizer(*texts)`` padded and cut to ``seq_len`` (one or two text
+    columns, as a sequence-pair task has)."""
+    enc = tokenizer(*texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
 
 
 def batches(loader: Iterable[Any]) -> Iterator[Any]:

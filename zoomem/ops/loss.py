@@ -45,6 +45,7 @@ embedding's backward never sees it) and off under ``create_graph``.
 from __future__ import annotations
 
 import weakref
+from types import MethodType
 from typing import Any, Callable
 
 import torch
@@ -487,10 +488,13 @@ def routed_forward(model: nn.Module, original: Callable[..., Any], *args: Any, *
     head = _output_embeddings(model)
     if head is None:
         return original(*args, **kwargs)
+    skip = skips_logits(model)
+    forward, to_fp32 = _inside_fp32_outputs(original) if skip else (original, None)
     previous = _WINDOWS.get(head)
-    window = _WINDOWS[head] = _Window(head, skips_logits(model))
+    window = _WINDOWS[head] = _Window(head, skip)
     try:
-        return _without_unsaved_logits(original(*args, **kwargs), window.mode.unsaved)
+        output = _without_unsaved_logits(forward(*args, **kwargs), window.mode.unsaved)
+        return output if to_fp32 is None else to_fp32(output)
     finally:
         try:
             window.close()
@@ -531,6 +535,24 @@ def _without_unsaved_logits(output: Any, unsaved: list[weakref.ref]) -> Any:  # 
         return output
     fields = {key: value for key, value in output.items() if key != "logits"}
     return type(output)(**fields)
+
+
+def _inside_fp32_outputs(forward: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], Any] | None]:
+    """``forward`` without Accelerate's mixed-precision wrapper that turns its half-precision outputs into float32
+    copies, and that conversion, to apply after the unsaved logits are dropped; else ``(forward, None)``.
+
+    ``zoomem.accelerate.prepare`` wraps after ``accelerator.prepare``, so the model forward zoomem calls is
+    Accelerate's: under ``mixed_precision`` its output conversion would copy the bf16 logits to float32 at the end
+    of the forward (three times their bytes, at the step's peak) and return the copy, which this module does not
+    know as the logits its loss left unsaved."""
+    converter = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    inner = getattr(converter, "model_forward", None)
+    if inner is None or type(converter).__name__ != "ConvertOutputsToFp32":
+        return forward, None
+    from accelerate.utils.operations import convert_to_fp32
+
+    owner = getattr(forward, "__self__", None)
+    return (inner if owner is None else MethodType(inner, owner)), convert_to_fp32
 
 
 def _output_embeddings(model: Any) -> nn.Module | None:
