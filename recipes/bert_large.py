@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 _START = time.perf_counter()
@@ -73,17 +72,11 @@ def parse_args() -> argparse.Namespace:
 
 def resolve_defaults(args: argparse.Namespace, device_type: str) -> None:
     """Fill the per-device defaults; a Hub checkpoint keeps its own shape and fine-tunes at a small lr."""
-    defaults = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
     from_config = args.model.startswith("hf/")
-    for key in ("layers", "hidden_size", "heads"):
-        if getattr(args, key) is None and from_config:
-            setattr(args, key, defaults[key])
+    recipes.fill_defaults(args, DEFAULTS["cuda" if device_type == "cuda" else "cpu"], from_config, PRETRAINED_LR,
+                          "out/bert_large")
     if args.intermediate_size is None and args.hidden_size is not None and from_config:
         args.intermediate_size = 4 * args.hidden_size
-    args.seq_len = args.seq_len or defaults["seq_len"]
-    args.batch_size = args.batch_size or defaults["batch_size"]
-    args.lr = args.lr or (defaults["lr"] if from_config else PRETRAINED_LR)
-    args.output_dir = args.output_dir or Path("out/bert_large")
 
 
 # ---------------------------------------------------------------------------------------------- data

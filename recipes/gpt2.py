@@ -31,7 +31,6 @@ import argparse
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 _START = time.perf_counter()
@@ -79,15 +78,8 @@ def parse_args() -> argparse.Namespace:
 
 def resolve_defaults(args: argparse.Namespace, device_type: str) -> None:
     """Fill the per-device defaults; a Hub checkpoint keeps its own shape and fine-tunes at a small lr."""
-    defaults = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-    from_config = args.model.startswith("hf/")
-    for key in ("layers", "hidden_size", "heads"):
-        if getattr(args, key) is None and from_config:
-            setattr(args, key, defaults[key])
-    args.seq_len = args.seq_len or defaults["seq_len"]
-    args.batch_size = args.batch_size or defaults["batch_size"]
-    args.lr = args.lr or (defaults["lr"] if from_config else PRETRAINED_LR)
-    args.output_dir = args.output_dir or Path("out/gpt2")
+    recipes.fill_defaults(args, DEFAULTS["cuda" if device_type == "cuda" else "cpu"], args.model.startswith("hf/"),
+                          PRETRAINED_LR, "out/gpt2")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -197,7 +189,8 @@ def main() -> dict[str, Any]:
     else:
         # zoomem.accelerate.prepare checks the launch, lets Accelerate prepare, then wraps the module inside DDP
         # (instance forwards only) and plans on a first batch, under autocast.
-        example = dict(zip(("input_ids", "attention_mask", "labels"), (t[: args.batch_size] for t in train_set.tensors)))
+        example = dict(zip(("input_ids", "attention_mask", "labels"),
+                           (t[: args.batch_size] for t in train_set.tensors)))
         with accelerator.autocast():
             model, optimizer, train_loader, eval_loader = zoomem.accelerate.prepare(
                 accelerator, model, optimizer, train_loader, eval_loader, batch=example, skip_logits=skip_logits,

@@ -181,3 +181,17 @@ def test_total_steps_and_schedule() -> None:
         sched.step()
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and sched.get_last_lr()[0] == pytest.approx(0.0)
+
+
+def test_fill_defaults_keeps_a_checkpoints_shape() -> None:
+    parser = recipes.add_common_args(argparse.ArgumentParser(), steps=10, lr=None, batch_size=None)
+    for flag in ("--layers", "--hidden-size", "--seq-len"):
+        parser.add_argument(flag, type=int, default=None)
+    cpu = {"layers": 4, "hidden_size": 256, "seq_len": 32, "batch_size": 32, "lr": 1e-3}
+    args = parser.parse_args(["--layers", "2"])
+    recipes.fill_defaults(args, cpu, from_config=True, pretrained_lr=5e-5, output_dir="out/x")
+    assert (args.layers, args.hidden_size, args.seq_len, args.batch_size, args.lr) == (2, 256, 32, 32, 1e-3)
+    assert args.output_dir == Path("out/x")
+    args = parser.parse_args(["--batch-size", "8"])
+    recipes.fill_defaults(args, cpu, from_config=False, pretrained_lr=5e-5, output_dir="out/x")
+    assert (args.layers, args.hidden_size, args.seq_len, args.batch_size, args.lr) == (None, None, 32, 8, 5e-5)

@@ -1,8 +1,8 @@
 """What the Accelerate recipes in ``recipes/`` share: flags, the Accelerator, zoomem modes, step statistics, summary.
 
-The recipes (``accelerate launch recipes/bert_large.py``, ``resnet50.py``, ``gnn.py``) stay plain Accelerate
-training scripts; this module holds only what all three would otherwise repeat, so that a flag or a summary field
-means the same in each:
+The recipes (``accelerate launch recipes/bert_large.py``, ``resnet50.py``, ``gnn.py``, ``gpt2.py``) stay plain
+Accelerate training scripts; this module holds only what they would otherwise repeat, so that a flag or a summary
+field means the same in each:
 
 - :func:`add_common_args`: ``--zoomem {off,lossless,auto,L0..L3}``, ``--budget``, steps, seed, lr, output dir,
   ``--expect-processes`` ...; :func:`wrap_options` turns the zoomem flags into :func:`zoomem.wrap` arguments.
@@ -12,6 +12,8 @@ means the same in each:
 - :class:`StepStats`: wall time and samples of the training steps (throughput) and the peak memory of one step,
   measured with :class:`zoomem.MemoryMeter` (DESIGN.md section 8: CPU allocator trace, or CUDA allocator stats).
 - :func:`finish`: the final JSON summary, printed and written to ``<output-dir>/summary.json``.
+- :func:`fixed_length` and :func:`tokenize`: the text recipes' token ids at a fixed length (the embedded task's
+  word-level ids, or a checkpoint's tokenizer).
 
 >>> parser = add_common_args(argparse.ArgumentParser(), steps=10, lr=1e-3, batch_size=8)
 >>> args = parser.parse_args(["--zoomem", "lossless", "--budget", "70%"])
@@ -48,6 +50,7 @@ __all__ = [
     "add_common_args",
     "batches",
     "finish",
+    "fill_defaults",
     "fixed_length",
     "make_accelerator",
     "plan_info",
@@ -107,9 +110,10 @@ def add_common_args(
     g.add_argument("--eval-batch-size", type=int, default=eval_batch_size,
                    help=f"examples per process per evaluation forward; {_default(eval_batch_size)}")
     g.add_argument("--log-every", type=int, default=20, help="log the loss (mean over processes) every N steps")
-    g.add_argument("--meter-step", type=int, default=1,
-                   help="0-based step measured with zoomem.MemoryMeter for the peak memory (default 1: after a "
-                        "warm-up step); -1 measures none")
+    g.add_argument("--meter-step", type=int, default=2,
+                   help="0-based step measured with zoomem.MemoryMeter for the peak memory (default 2: after a "
+                        "warm-up step, and not step 1, where adaptive compression measures its sensitivities again "
+                        "outside the budget); -1 measures none")
     g.add_argument("--output-dir", type=Path, default=None, help="where summary.json goes (default out/<recipe>)")
     g.add_argument("--expect-processes", type=int, default=None,
                    help="fail unless Accelerate runs exactly N processes (catches `--cpu --num_processes N`, "
@@ -123,6 +127,19 @@ def add_common_args(
                    help=f"memory budget of a training step per process for lossless/auto: bytes, '6GiB', '500MB' "
                         f"or a fraction of plain PyTorch's peak ('60%%' or 0.6); default {budget.replace('%', '%%')}")
     return parser
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any], from_config: bool, pretrained_lr: float,
+                  output_dir: str, shape: tuple[str, ...] = ("layers", "hidden_size", "heads")) -> None:
+    """Fill the flags left unset from one device's ``defaults``: the ``shape`` ones only for a model built from its
+    config (a Hub checkpoint keeps its own shape), ``lr`` as ``pretrained_lr`` for a checkpoint (fine-tuning),
+    the others always; ``--output-dir`` as ``output_dir``."""
+    for key, value in defaults.items():
+        if key == "lr":
+            args.lr = args.lr or (value if from_config else pretrained_lr)
+        elif getattr(args, key) is None and (from_config or key not in shape):
+            setattr(args, key, value)
+    args.output_dir = args.output_dir or Path(output_dir)
 
 
 def _budget(text: str) -> int | float | str:
@@ -299,7 +316,7 @@ class StepStats:
     ...     pass
     """
 
-    def __init__(self, device: torch.device, meter_step: int = 1) -> None:
+    def __init__(self, device: torch.device, meter_step: int = 2) -> None:
         self.device = device
         self.meter_step = meter_step
         self.seconds = 0.0
