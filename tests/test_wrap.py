@@ -152,10 +152,10 @@ print("alive:", alive)
 
 def test_a_wrapped_model_is_freed_once_unwrapped_and_dropped() -> None:
     """Nothing zoomem keeps outlives a model's last reference: planning in a loop (a sweep, a max-batch search,
-    a notebook cell run again) must not hold every model it saw. Both ways it once did need a fresh process: the
-    first plan of a process imported PuLP, whose stored import errors kept that plan's frames and model; and the
-    scan for saved outputs packed each output as itself, a reference cycle through autograd's C++ that the
-    collector cannot see (every model with compact forms to choose, every plan)."""
+    a notebook cell run again) must not hold every model it saw. In a fresh process, since one of the two ways it
+    did was the process's first plan importing PuLP, whose stored import errors kept that plan's frames and model;
+    the other, the scan for saved outputs packing each output as itself, a reference cycle through autograd's C++
+    that the collector cannot see (every model with compact forms to choose, every plan)."""
     import subprocess
     import sys
 

@@ -543,8 +543,8 @@ def _inside_fp32_outputs(forward: Callable[..., Any]) -> tuple[Callable[..., Any
 
     ``zoomem.accelerate.prepare`` wraps after ``accelerator.prepare``, so the model forward zoomem calls is
     Accelerate's: under ``mixed_precision`` its output conversion would copy the bf16 logits to float32 at the end
-    of the forward (three times their bytes, at the step's peak) and return the copy, which this module does not
-    know as the logits its loss left unsaved."""
+    of the forward (twice their bytes, beside them) and return the copy, which this module does not know as the
+    logits its loss left unsaved."""
     converter = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
     inner = getattr(converter, "model_forward", None)
     if inner is None or type(converter).__name__ != "ConvertOutputsToFp32":
