@@ -151,8 +151,9 @@ def build_model(args: argparse.Namespace, num_labels: int, vocab_size: int | Non
     return model.train()  # from_pretrained returns eval mode; zoomem plans the mode it sees (a training step)
 
 
-def evaluate(accelerator: Any, model: torch.nn.Module, loader: DataLoader) -> float:
-    """Accuracy (percent) on the whole test split, gathered over the processes."""
+def evaluate(accelerator: Any, model: torch.nn.Module, loader: DataLoader) -> tuple[float, int]:
+    """Accuracy (percent) on the eval examples, gathered over the processes, and how many were counted (each once:
+    ``gather_for_metrics`` drops the samples the last batches repeat to even out the processes)."""
     model.eval()
     correct = total = 0
     with torch.no_grad():
@@ -163,7 +164,7 @@ def evaluate(accelerator: Any, model: torch.nn.Module, loader: DataLoader) -> fl
             correct += int((preds == labels).sum())
             total += labels.numel()
     model.train()
-    return 100.0 * correct / max(total, 1)
+    return 100.0 * correct / max(total, 1), total
 
 
 def main() -> dict[str, Any]:
@@ -187,7 +188,8 @@ def main() -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
+    eval_set = recipes.eval_subset(test_set, args.max_eval_samples)
+    eval_loader = DataLoader(eval_set, batch_size=args.eval_batch_size)
 
     if args.zoomem == "off":
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -235,7 +237,7 @@ def main() -> dict[str, Any]:
             progress.set_postfix(loss=f"{mean:.4f}")
             logger.info("step %d/%d loss %.4f lr %.2e", step + 1, steps, mean, scheduler.get_last_lr()[0])
     train_seconds = time.perf_counter() - train_start
-    accuracy = evaluate(accelerator, model, eval_loader)
+    accuracy, evaluated = evaluate(accelerator, model, eval_loader)
     logger.info("eval accuracy %.2f%% (majority class %.2f%%)", accuracy, data_info["majority_class_accuracy"])
 
     cfg = bare.config
@@ -245,7 +247,7 @@ def main() -> dict[str, Any]:
                   "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size, "seq_len": args.seq_len,
                   "parameters": sum(p.numel() for p in bare.parameters())},
-        "dataset": data_info,
+        "dataset": data_info, "eval_examples": evaluated,
         "steps": steps, "batch_size_per_process": args.batch_size, "global_batch_size": global_batch,
         "lr": args.lr, "seed": args.seed,
         "final_loss": losses[steps], "loss_log": losses,

@@ -135,12 +135,13 @@ def main() -> dict[str, Any]:
     x, edge_index = x.to(accelerator.device), edge_index.to(accelerator.device)  # every step reads the whole graph
     n = accelerator.num_processes
     args.batch_size = args.batch_size or math.ceil(len(train_set) / n)  # default: full batch over the processes
-    args.eval_batch_size = args.eval_batch_size or math.ceil(len(test_set) / n)
+    eval_set = recipes.eval_subset(test_set, args.max_eval_samples)
+    args.eval_batch_size = args.eval_batch_size or math.ceil(len(eval_set) / n)
     model = build_model(args, x.size(1), graph_info["num_classes"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
+    eval_loader = DataLoader(eval_set, batch_size=args.eval_batch_size)
 
     if args.zoomem == "off":
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -196,7 +197,7 @@ def main() -> dict[str, Any]:
         "model": {"id": f"pyg/{args.model}", "class": type(bare).__name__, "layers": args.layers,
                   "hidden": args.hidden, **({"heads": args.heads} if args.model == "gat" else {}),
                   "dropout": args.dropout, "parameters": sum(p.numel() for p in bare.parameters())},
-        "dataset": graph_info,
+        "dataset": graph_info, "eval_examples": len(eval_set),
         "steps": steps, "batch_size_per_process": args.batch_size, "global_batch_size": global_batch,
         "lr": args.lr, "seed": args.seed,
         "final_loss": losses[steps], "loss_log": losses,

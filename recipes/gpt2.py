@@ -181,7 +181,8 @@ def main() -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
+    eval_set = recipes.eval_subset(test_set, args.max_eval_samples)
+    eval_loader = DataLoader(eval_set, batch_size=args.eval_batch_size)
 
     skip_logits = args.skip_logits and args.zoomem != "off"
     if args.zoomem == "off":
@@ -242,7 +243,7 @@ def main() -> dict[str, Any]:
         "model": {"id": args.model, "weights": "random (from config)" if args.model.startswith("hf/") else "pretrained",
                   "layers": cfg.n_layer, "hidden_size": cfg.n_embd, "heads": cfg.n_head, "vocab_size": cfg.vocab_size,
                   "seq_len": args.seq_len, "parameters": sum(p.numel() for p in bare.parameters())},
-        "dataset": data_info,
+        "dataset": data_info, "eval_examples": len(eval_set),
         "steps": steps, "batch_size_per_process": args.batch_size, "global_batch_size": global_batch,
         "lr": args.lr, "seed": args.seed,
         "final_loss": losses[steps], "loss_log": losses,

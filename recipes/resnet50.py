@@ -150,7 +150,8 @@ def main() -> dict[str, Any]:
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
                               collate_fn=train_collate, generator=torch.Generator().manual_seed(args.seed),
                               **loader_kwargs)
-    eval_loader = DataLoader(test_set, batch_size=args.eval_batch_size, collate_fn=eval_collate, **loader_kwargs)
+    eval_set = recipes.eval_subset(test_set, args.max_eval_samples)
+    eval_loader = DataLoader(eval_set, batch_size=args.eval_batch_size, collate_fn=eval_collate, **loader_kwargs)
     augment = tasks.TASKS["digits"].augment if args.dataset == "digits" else None
     augment_gen = torch.Generator().manual_seed(args.seed + accelerator.process_index)
 
@@ -209,7 +210,7 @@ def main() -> dict[str, Any]:
         "recipe": "resnet50",
         "model": {"id": f"timm/{args.model}", "weights": "pretrained" if args.pretrained else "random",
                   "image_size": args.image_size, "parameters": sum(p.numel() for p in bare.parameters())},
-        "dataset": {**data_info, "train": len(train_set), "test": len(test_set)},
+        "dataset": {**data_info, "train": len(train_set), "test": len(test_set)}, "eval_examples": len(eval_set),
         "steps": steps, "batch_size_per_process": args.batch_size, "global_batch_size": global_batch,
         "lr": args.lr, "seed": args.seed,
         "final_loss": losses[steps], "loss_log": losses,

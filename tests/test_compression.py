@@ -745,18 +745,17 @@ def test_a_nodes_lossy_tensors_come_back_together() -> None:
     log-sum-exp recomputed from the rounded q and k among them."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0, batch_size=64)  # activations dominate
     model.train()
-    level = zoomem.plan(model, batch, level="L1.1")
-    nodes: dict[int, list[list[int]]] = {}
-    for d in level.saved:
-        nodes.setdefault(d["node"], []).append(d["shape"])
-    assert -1 not in nodes
-    heads = [64, 3, 17, 64]  # batch, heads, tokens, head width
-    attention = [shapes for shapes in nodes.values() if shapes.count(heads) >= 3]
-    assert len(attention) == 12  # one flash-attention node per block: key, query, value (and lse, output)
     for name in ("L1.1", "L1.2"):
         zoomem.wrap(model, level=name, batch=batch, sensitivity_interval=0)
         plan = _plan(model)
         assert plan.bits
+        nodes: dict[int, list[list[int]]] = {}
+        for d in plan.saved:
+            nodes.setdefault(d["node"], []).append(d["shape"])
+        assert -1 not in nodes
+        heads = [64, 3, 17, 64]  # batch, heads, tokens, head width
+        attention = [shapes for shapes in nodes.values() if shapes.count(heads) >= 3]
+        assert len(attention) == 12  # one flash-attention node per block: key, query, value (and lse, output)
         torch.manual_seed(0)
         with MemoryMeter(model, batch) as meter:
             loss = adapter.loss(model, batch, batch.call(model))

@@ -17,7 +17,7 @@ from zoomem.maxbatch import ProbeLog, SearchConfig, Workload, parse_budget_text,
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 GCN = zoo.small_overrides("pyg/gcn")  # 32 -> 64 -> 64 -> 8 channels; a batch unit is 1000 nodes, 10000 edges
-BUDGET = 32 * MIB  # plain PyTorch fits 4 units here; message passing's edges x features tensors fill the rest
+BUDGET = 16 * MIB  # plain PyTorch fits 2 units here; message passing's edges x features tensors fill the rest
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,7 +31,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def gcn_search(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """pytorch, lossless and L2 on the small GCN at 32 MiB, exact search (rtol 0), one timed step per fit; the
+    """pytorch, lossless and L2 on the small GCN at 16 MiB, exact search (rtol 0), one timed step per fit; the
     probe log is at ``data["log"]``."""
     log = tmp_path_factory.mktemp("gcn") / "probes.jsonl"
     data = _search(ProbeLog(log))
@@ -170,7 +170,7 @@ def test_cli_max_batch_writes_json_log_png_and_renders(tmp_path: Path, capsys: p
     from zoomem.cli import main
 
     out = tmp_path / "mb.json"
-    argv = ["max-batch", "pyg/gcn", *sum((["--set", f"{k}={v}"] for k, v in GCN.items()), []), "--budget", "32MiB",
+    argv = ["max-batch", "pyg/gcn", *sum((["--set", f"{k}={v}"] for k, v in GCN.items()), []), "--budget", "16MiB",
             "--methods", "pytorch", "checkpoint", "--time-steps", "1", "--threads", "1", "--out", str(out),
             "--markdown", "--no-progress"]
     assert main(argv) == 0

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 240  # seconds per launch: generous, a loaded 2-core machine runs each in 15-40 s
 
 TINY_BERT = ["--layers", "2", "--hidden-size", "64", "--heads", "2", "--seq-len", "32", "--batch-size", "64",
-             "--steps", "4", "--log-every", "2", "--eval-batch-size", "1024"]
+             "--steps", "4", "--log-every", "2", "--eval-batch-size", "1024", "--max-eval-samples", "512"]
 
 
 def _free_port() -> int:
@@ -66,7 +66,7 @@ def test_bert_off_and_lossless_train_the_same(tmp_path: Path) -> None:
     for s in (off, on):
         assert s["num_processes"] == 1 and s["distributed_type"] == "NO"
         assert s["model"]["layers"] == 2 and s["model"]["hidden_size"] == 64 and s["model"]["seq_len"] == 32
-        assert s["dataset"]["name"] == "text" and s["dataset"]["num_classes"] == 4
+        assert s["dataset"]["name"] == "text" and s["dataset"]["num_classes"] == 4 and s["eval_examples"] == 512
         assert 0 <= s["eval_accuracy"] <= 100 and s["samples_per_s"] > 0 and s["peak_memory_mib"] > 0
 
 
@@ -75,19 +75,19 @@ def test_bert_two_gloo_processes(tmp_path: Path) -> None:
     if torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available():
         pytest.skip("checks the CPU-only launch")
     summary, _ = launch("bert_large", tmp_path, *TINY_BERT, "--zoomem", "lossless", "--budget", "70%",
-                        "--expect-processes", "2", processes=2)
+                        "--expect-processes", "2", "--max-eval-samples", "501", processes=2)
     assert summary is not None
     assert summary["num_processes"] == 2 and summary["distributed_type"] == "MULTI_CPU"
     assert summary["global_batch_size"] == 2 * summary["batch_size_per_process"]
-    assert summary["dataset"]["test"] == 3797  # gather_for_metrics: every test example once
+    assert summary["eval_examples"] == 501  # gather_for_metrics: each once, though one rank's share is padded
     assert summary["zoomem"]["plans"][0]["recomputed_units"] >= 1
 
 
 def test_gpt2_without_logits_trains_as_plain_pytorch(tmp_path: Path) -> None:
     """The causal-LM recipe: zoomem's plan with ``skip_logits`` (the default) returns no logits in training, holds
     less than plain PyTorch, and trains the same (seeded losses; evaluation has its logits)."""
-    tiny = [*TINY_BERT, "--eval-batch-size", "256", "--budget", "60%"]
-    off, _ = launch("gpt2", tmp_path / "off", *TINY_BERT, "--eval-batch-size", "256", "--zoomem", "off")
+    tiny = [*TINY_BERT, "--eval-batch-size", "128", "--budget", "60%"]
+    off, _ = launch("gpt2", tmp_path / "off", *TINY_BERT, "--eval-batch-size", "128", "--zoomem", "off")
     on, _ = launch("gpt2", tmp_path / "on", *tiny)
     assert off is not None and on is not None
     assert off["training_forward_returned_logits"] is True and on["training_forward_returned_logits"] is False
@@ -99,7 +99,7 @@ def test_gpt2_without_logits_trains_as_plain_pytorch(tmp_path: Path) -> None:
         assert on["loss_log"][step] == pytest.approx(loss, rel=1e-4), step
     assert on["eval_loss"] == pytest.approx(off["eval_loss"], rel=1e-4)
     assert on["model"]["vocab_size"] == off["model"]["vocab_size"] > 10000  # the task's word-level vocabulary
-    assert on["dataset"]["test"] == 3797 and on["eval_perplexity"] > 1
+    assert on["dataset"]["test"] == 3797 and on["eval_examples"] == 512 and on["eval_perplexity"] > 1
 
 
 def test_cpu_num_processes_is_caught(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_cpu_num_processes_is_caught(tmp_path: Path) -> None:
 def test_resnet50_compressed(tmp_path: Path) -> None:
     """timm ResNet-50 on the digits under a GACT level; the summary reports the lossy plan and its memory."""
     summary, _ = launch("resnet50", tmp_path, "--steps", "3", "--batch-size", "8", "--log-every", "1",
-                        "--eval-batch-size", "600", "--zoomem", "L2")
+                        "--eval-batch-size", "600", "--max-eval-samples", "100", "--zoomem", "L2")
     assert summary is not None
     assert summary["model"]["id"] == "timm/resnet50" and summary["model"]["image_size"] == 32
     assert summary["dataset"]["name"] == "digits" and summary["dataset"]["test"] == 599

@@ -13,7 +13,7 @@ field means the same in each:
   measured with :class:`zoomem.MemoryMeter` (DESIGN.md section 8: CPU allocator trace, or CUDA allocator stats).
 - :func:`finish`: the final JSON summary, printed and written to ``<output-dir>/summary.json``.
 - :func:`fixed_length` and :func:`tokenize`: the text recipes' token ids at a fixed length (the embedded task's
-  word-level ids, or a checkpoint's tokenizer).
+  word-level ids, or a checkpoint's tokenizer); :func:`eval_subset`: ``--max-eval-samples``.
 
 >>> parser = add_common_args(argparse.ArgumentParser(), steps=10, lr=1e-3, batch_size=8)
 >>> args = parser.parse_args(["--zoomem", "lossless", "--budget", "70%"])
@@ -109,6 +109,8 @@ def add_common_args(
     g.add_argument("--seed", type=int, default=seed, help="seeds the model, data order and dropout (all ranks)")
     g.add_argument("--eval-batch-size", type=int, default=eval_batch_size,
                    help=f"examples per process per evaluation forward; {_default(eval_batch_size)}")
+    g.add_argument("--max-eval-samples", type=int, default=None,
+                   help="evaluate on the first N examples of the eval split only (default: all of it)")
     g.add_argument("--log-every", type=int, default=20, help="log the loss (mean over processes) every N steps")
     g.add_argument("--meter-step", type=int, default=2,
                    help="0-based step measured with zoomem.MemoryMeter for the peak memory (default 2: after a "
@@ -285,6 +287,20 @@ def tokenize(tokenizer: Any, texts: list[Any], seq_len: int) -> tuple[torch.Tens
     columns, as a sequence-pair task has)."""
     enc = tokenizer(*texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"]
+
+
+def eval_subset(dataset: Any, limit: int | None) -> Any:
+    """The first ``limit`` examples of ``dataset`` (all of it when ``None``), as HF's examples'
+    ``--max_eval_samples``: a quick evaluation on a large split.
+
+    >>> len(eval_subset(list(range(10)), 3)), len(eval_subset(list(range(10)), None))
+    (3, 10)
+    """
+    if limit is None or limit >= len(dataset):
+        return dataset
+    if limit < 1:
+        raise ValueError(f"--max-eval-samples must be >= 1, got {limit}")
+    return torch.utils.data.Subset(dataset, range(limit))
 
 
 def batches(loader: Iterable[Any]) -> Iterator[Any]:
