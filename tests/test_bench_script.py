@@ -1,10 +1,21 @@
-"""`scripts/bench.py baseline --quick` runs end to end and writes a JSON whose numbers obey the meter's definitions."""
+"""The scripts in ``scripts/`` end to end on small models: each writes what its docstring says, and its numbers obey
+the meter's definitions.
 
+``bench.py baseline`` runs as users run it, in a subprocess; the others call the script's ``main(argv)`` in this
+process (:func:`run_script`): the same code after ``if __name__ == "__main__"``, without paying about 6 s of imports
+(torch, transformers, timm, PyG) per run.
+"""
+
+import contextlib
 import datetime
+import importlib.util
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -12,11 +23,37 @@ REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 
 
+def run_script(cmd: list[str], cwd: Path = REPO) -> SimpleNamespace:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for ``cmd = [python, script, *argv]``, run in this
+    process: a fresh copy of the script module, its ``main(argv)`` with stdout and stderr captured, in ``cwd``; torch's
+    thread count (which the scripts set) restored afterwards."""
+    script, argv = Path(cmd[1]), [str(a) for a in cmd[2:]]
+    spec = importlib.util.spec_from_file_location(f"zoomem_script_{script.stem}", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    out, err = io.StringIO(), io.StringIO()
+    threads, here = torch.get_num_threads(), Path.cwd()
+    os.chdir(cwd)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            spec.loader.exec_module(module)
+            try:
+                code = module.main(argv)
+            except SystemExit as exit_:  # argparse errors
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        del sys.modules[spec.name]
+        os.chdir(here)
+        torch.set_num_threads(threads)
+    return SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_bench_baseline_quick(tmp_path):
     out = tmp_path / "x.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "baseline", "--quick",
            "--models", "timm/resnet18", "pyg/gcn", "--out", str(out), "--markdown"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)  # as users run it
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| `timm/resnet18` |" in proc.stdout and "| `pyg/gcn` |" in proc.stdout
 
@@ -54,18 +91,17 @@ def test_bench_sweep_quick(tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--quick",
            "--models", "pyg/gcn", "hf/bert-base-uncased", "--out", str(out), "--plot", str(png), "--markdown"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| plain PyTorch | — |" in proc.stdout and "| zoomem ILP | min (" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"  # --render: the same tables and a plot from the JSON alone
-    rendered = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out),
-                               "--plot", str(again), "--markdown"], cwd=REPO, capture_output=True, text=True,
-                              timeout=120)
+    rendered = run_script([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out),
+                          "--plot", str(again), "--markdown"])
     assert rendered.returncode == 0, rendered.stderr[-4000:]
     assert rendered.stdout == proc.stdout and again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    tables_only = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out)],
-                                 cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    tables_only = run_script([sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--render", str(out)],
+                             cwd=tmp_path)
     assert tables_only.returncode == 0, tables_only.stderr[-4000:]
     assert not (tmp_path / "benchmarks").exists()  # --render draws only where --plot says (no default overwrite)
 
@@ -115,7 +151,7 @@ def test_bench_compress_quick(tmp_path):
     levels = ["L0", "L1.1", "L1.2", "L2", "L2.2"]  # fixed and adaptive bits, the wrap's own level; ~1 s a level
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "compress", "--quick", "--models", "pyg/gcn",
            "--levels", *levels, "--out", str(out), "--markdown"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| plain PyTorch | — |" in proc.stdout and "| L2.2 (adaptive, 2 bits avg) |" in proc.stdout
     assert "L2.2: activations >= 8x smaller" in proc.stdout and "| any |" in proc.stdout
@@ -276,7 +312,7 @@ def test_bench_accuracy_quick(tmp_path):
     out = tmp_path / "acc.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "accuracy", "--quick", "--out", str(out),
            "--markdown", "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "accuracy"
@@ -294,7 +330,7 @@ def test_bench_scale_quick(tmp_path):
     out = tmp_path / "s.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "scale", "--quick",
            "--models", "hf/gpt2", "pyg/gcn", "--out", str(out), "--markdown"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| `hf/gpt2` |" in proc.stdout and "| `pyg/gcn` |" not in proc.stdout  # graphs: no batch dimension
     (r,) = json.loads(out.read_text())["results"]
@@ -310,8 +346,7 @@ def test_bench_quantizer_quick(tmp_path):
     clone has it) and the planner's probe; a revision git does not know is refused with a message."""
     out = tmp_path / "q.json"
     bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "quantizer", "--quick", "--repeats", "2"]
-    proc = subprocess.run([*bench, "--against", "HEAD", "--bits", "2", "8", "--out", str(out), "--markdown"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_script([*bench, "--against", "HEAD", "--bits", "2", "8", "--out", str(out), "--markdown"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert [(r["tensor"], r["bits"]) for r in data["rows"]] == [
@@ -321,8 +356,7 @@ def test_bench_quantizer_quick(tmp_path):
     assert "| planner's ns/B | ns/B at HEAD | speed-up |" in proc.stdout and "planner's probe" in proc.stdout
     assert [r["operation"] for r in data["masks"]] == ["pack", "unpack", "apply to a gradient"]
     assert all(r["ms_current"] > 0 and r["ms_HEAD"] > 0 for r in data["masks"])
-    bad = subprocess.run([*bench, "--against", "no-such-rev", "--out", str(tmp_path / "b.json")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    bad = run_script([*bench, "--against", "no-such-rev", "--out", str(tmp_path / "b.json")])
     assert bad.returncode == 2 and "no-such-rev" in bad.stderr and not (tmp_path / "b.json").exists()
 
 
@@ -331,7 +365,7 @@ def test_point_errors_prints_every_point_of_a_level_plan():
     a one-layer BERT is predicted within 5% (the issue's bound), and every point has its measured value."""
     cmd = [sys.executable, str(REPO / "scripts" / "point_errors.py"), "hf/bert-base-uncased", "--batch", "2",
            "--seq-len", "64", "--set", "num_hidden_layers=1", "L1.2"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     head = next(line for line in proc.stdout.splitlines() if line.startswith("== L1.2"))
     predicted = float(head.split("predicted peak ")[1].split(" MiB")[0])
@@ -347,7 +381,7 @@ def test_coverage_script_checks_models_beyond_the_matrix(tmp_path):
     out = tmp_path / "coverage.json"
     cmd = [sys.executable, str(REPO / "scripts" / "coverage.py"), "--models", "pyg:gineconv", "hf:nope",
            "--markdown", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 1, proc.stderr[-2000:]  # the unknown model is reported, and fails the run
     rows = {r["model"]: r for r in json.loads(out.read_text())}
     good = rows["pyg:gineconv"]
@@ -362,7 +396,7 @@ def test_min_budget_script_names_the_same_budget_on_every_trace():
     (whose least-peak plan measured 15 KiB above its prediction until stop 34) is the same each time, and every retry
     at it fits. Zoo ids run at full size, at ``--batch``."""
     cmd = [sys.executable, str(REPO / "scripts" / "min_budget.py"), "hf:roberta", "--repeat", "2"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| hf:roberta")]
     assert len(rows) == 2 and rows[0][2] == rows[1][2], proc.stdout
@@ -370,7 +404,7 @@ def test_min_budget_script_names_the_same_budget_on_every_trace():
     assert all(int(r[4]) <= named for r in rows), proc.stdout
 
     cmd = [sys.executable, str(REPO / "scripts" / "min_budget.py"), "pyg/gcn", "--batch", "1", "--repeat", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
     row = next(line.split("|") for line in proc.stdout.splitlines() if line.startswith("| pyg/gcn"))
     assert int(row[4]) <= int(row[2].split()[0]), proc.stdout
@@ -383,7 +417,7 @@ def test_random_plans_script_finds_no_point_predicted_low():
     backward runs inside the stretch before it) and exited 1."""
     cmd = [sys.executable, str(REPO / "scripts" / "random_plans.py"), "timm/resnet50", "--small", "--batch", "4",
            "--plans", "3", "--seed", "2"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
     plans = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(plans) == 3 and "rchain" in plans[0] and "+c" in plans[0] and "rcheap" in plans[0], proc.stdout
@@ -395,7 +429,7 @@ def test_compact_times_script_shows_raw_and_priced_times():
     (a ResNet's forms cannot run faster: never below zero), then over interleaved steps of the wrapped model."""
     cmd = [sys.executable, str(REPO / "scripts" / "compact_times.py"), "timm/resnet18", "--small", "--batch", "4",
            "--traces", "1", "--rounds", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
     lines = proc.stdout.splitlines()
     priced = [line for line in lines if line.startswith("cost model 1:")]
@@ -407,7 +441,7 @@ def test_skip_logits_script_shows_the_logits_gone_and_the_bytes_saved():
     """`scripts/skip_logits.py` meters and times the stock loss, the fused loss and the fused loss with
     ``skip_logits`` on one plan: only the last returns no logits, and it holds the least after forward."""
     cmd = [sys.executable, str(REPO / "scripts" / "skip_logits.py"), "hf/gpt2", "--small", "--rounds", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
     held = {}
     for line in proc.stdout.splitlines():
