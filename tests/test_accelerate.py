@@ -348,14 +348,36 @@ def test_wrap_before_prepare_under_bf16_leaves_autocast_off(fresh_accelerate: No
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_first_step_under_autocast_with_cheap_recomputation(fresh_accelerate: None) -> None:
+def test_first_step_under_autocast_with_cheap_recomputation(fresh_accelerate: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that plans, under autocast, runs cheap recomputation (every unit the plan recomputes made
+    ``recompute_cheap``: the program picks it or not by measured times, and the test skipped when it did not) and
+    gives plain autocast's gradients, bitwise."""
+    wrap_module = importlib.import_module("zoomem.runtime.wrap")  # the module (zoomem.runtime.wrap is a function)
+    real = wrap_module._make
+
+    def cheap(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        for unit in plan.units:
+            if unit.decision != zoomem.Decision.KEEP:
+                unit.decision = zoomem.Decision.RECOMPUTE_CHEAP
+        return plan
+
+    monkeypatch.setattr(wrap_module, "_make", cheap)
     model, _ = L.model_and_opt()
-    zoomem.wrap(model, L.LOSSLESS)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(**L.batch(0, 0)).loss
-    if "recompute_cheap" not in [u.decision.value for u in za.plans(model)[0].units]:
-        pytest.skip("the planner did not pick recompute_cheap this time")
-    loss.backward()
+    reference, _ = L.model_and_opt()
+    grads = []
+    for m in (reference, model):
+        if m is model:
+            zoomem.wrap(model, L.LOSSLESS)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**L.batch(0, 0)).loss
+        loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert "recompute_cheap" in [u.decision.value for u in za.plans(model)[0].units]
+    for ours, plain in zip(*grads):
+        assert torch.equal(ours, plain)
 
 
 def test_wrapped_forward_keeps_its_signature_and_survives_accelerate_unwrapping(fresh_accelerate: None) -> None:

@@ -194,10 +194,12 @@ for shape, dtypes in [((4, 1000), (torch.float32, torch.bfloat16, torch.float16)
             within = bool(((a.float() - x.float()).abs() <= step * (1 + 1e-5) + x.float().abs() * ulp).all())
             out["interop"].append([list(shape), bits, str(dtype), same_form, readable, within])
 for bits in (2, 4):
-    x = torch.randn(2, 512, generator=gen) * torch.linspace(0.1, 10, 512)
-    mean = torch.stack([triton_dequantize(triton_quantize(x, bits, 256, gen)) for _ in range(200)]).mean(0)
+    x = torch.randn(1, 512, generator=gen) * torch.linspace(0.1, 10, 512)
+    # 200 copies of x in one call: groups follow rows, so every copy has x's two groups, and each element draws its
+    # own rounding noise (the interpreter's time goes with the elements: two rows took 15 s)
+    mean = triton_dequantize(triton_quantize(x.repeat(200, 1), bits, 256, gen)).mean(0, keepdim=True)
     step = triton_quantize(x, bits, 256, gen).step
-    out["unbiased"][bits] = float(((mean - x).abs() / step.repeat_interleave(256).view(2, 512)).mean())
+    out["unbiased"][bits] = float(((mean - x).abs() / step.repeat_interleave(256).view(1, 512)).mean())
 c = torch.full((4, 600), 0.3)
 out["exact"]["constant"] = torch.equal(triton_dequantize(triton_quantize(c, 2, 256, gen)), c)
 out["exact"]["nan"] = triton_quantize(torch.tensor([1.0, float("nan")] * 3000), 4, 256, gen) is None
