@@ -195,3 +195,12 @@ def test_fill_defaults_keeps_a_checkpoints_shape() -> None:
     args = parser.parse_args(["--batch-size", "8"])
     recipes.fill_defaults(args, cpu, from_config=False, pretrained_lr=5e-5, output_dir="out/x")
     assert (args.layers, args.hidden_size, args.seq_len, args.batch_size, args.lr) == (None, None, 32, 8, 5e-5)
+
+
+def test_eval_subset_takes_the_first_examples() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    assert [int(x) for (x,) in recipes.eval_subset(data, 3)] == [0, 1, 2]
+    assert recipes.eval_subset(data, None) is data and recipes.eval_subset(data, 50) is data
+    with pytest.raises(ValueError, match="--max-eval-samples must be >= 1"):
+        recipes.eval_subset(data, 0)
+    assert _args("--max-eval-samples", "7").max_eval_samples == 7 and _args().max_eval_samples is None
