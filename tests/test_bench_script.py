@@ -11,6 +11,7 @@ import datetime
 import importlib.util
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -26,13 +27,17 @@ MIB = 1024 * 1024
 def run_script(cmd: list[str], cwd: Path = REPO) -> SimpleNamespace:
     """``subprocess.run(cmd, capture_output=True, text=True)`` for ``cmd = [python, script, *argv]``, run in this
     process: a fresh copy of the script module, its ``main(argv)`` with stdout and stderr captured, in ``cwd``; torch's
-    thread count (which the scripts set) restored afterwards."""
+    thread count and the loggers' levels (which the scripts set: ``bench.py`` quiets ``zoomem`` to warnings)
+    restored afterwards."""
     script, argv = Path(cmd[1]), [str(a) for a in cmd[2:]]
     spec = importlib.util.spec_from_file_location(f"zoomem_script_{script.stem}", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     out, err = io.StringIO(), io.StringIO()
     threads, here = torch.get_num_threads(), Path.cwd()
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    levels = [(lg, lg.level) for lg in loggers]
     os.chdir(cwd)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     try:
@@ -46,6 +51,8 @@ def run_script(cmd: list[str], cwd: Path = REPO) -> SimpleNamespace:
         del sys.modules[spec.name]
         os.chdir(here)
         torch.set_num_threads(threads)
+        for lg, level in levels:
+            lg.setLevel(level)
     return SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
 
 
@@ -91,8 +98,10 @@ def test_bench_sweep_quick(tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "sweep", "--quick",
            "--models", "pyg/gcn", "hf/bert-base-uncased", "--out", str(out), "--plot", str(png), "--markdown"]
+    level = logging.getLogger("zoomem").level
     proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert logging.getLogger("zoomem").level == level  # the sweep quiets zoomem; later tests read its INFO records
     assert "| plain PyTorch | — |" in proc.stdout and "| zoomem ILP | min (" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"  # --render: the same tables and a plot from the JSON alone
