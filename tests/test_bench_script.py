@@ -2,17 +2,17 @@
 the meter's definitions.
 
 ``bench.py baseline`` runs as users run it, in a subprocess; the others call the script's ``main(argv)`` in this
-process (:func:`run_script`): the same code after ``if __name__ == "__main__"``, without paying about 6 s of imports
-(torch, transformers, timm, PyG) per run.
+process (:func:`run_script`, as ``zoomem bench`` does): the same code after ``if __name__ == "__main__"``, without
+paying about 6 s of imports (torch, transformers, timm, PyG) per run.
 """
 
 import contextlib
 import datetime
-import importlib.util
 import io
 import json
 import logging
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -26,29 +26,23 @@ MIB = 1024 * 1024
 
 def run_script(cmd: list[str], cwd: Path = REPO) -> SimpleNamespace:
     """``subprocess.run(cmd, capture_output=True, text=True)`` for ``cmd = [python, script, *argv]``, run in this
-    process: a fresh copy of the script module, its ``main(argv)`` with stdout and stderr captured, in ``cwd``; torch's
-    thread count and the loggers' levels (which the scripts set: ``bench.py`` quiets ``zoomem`` to warnings)
-    restored afterwards."""
-    script, argv = Path(cmd[1]), [str(a) for a in cmd[2:]]
-    spec = importlib.util.spec_from_file_location(f"zoomem_script_{script.stem}", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
+    process as ``zoomem bench`` runs ``bench.py`` (``runpy.run_path``, then its ``main(argv)``), stdout and stderr
+    captured, in ``cwd``; torch's thread count and the loggers' levels (which the scripts set: ``bench.py`` quiets
+    ``zoomem`` to warnings) restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
     threads, here = torch.get_num_threads(), Path.cwd()
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     levels = [(lg, lg.level) for lg in loggers]
     os.chdir(cwd)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            spec.loader.exec_module(module)
+            script = runpy.run_path(cmd[1], run_name=f"zoomem_script_{Path(cmd[1]).stem}")
             try:
-                code = module.main(argv)
+                code = script["main"]([str(a) for a in cmd[2:]])
             except SystemExit as exit_:  # argparse errors
                 code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
-        del sys.modules[spec.name]
         os.chdir(here)
         torch.set_num_threads(threads)
         for lg, level in levels:
