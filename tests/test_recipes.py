@@ -79,7 +79,8 @@ def test_bert_two_gloo_processes(tmp_path: Path) -> None:
     assert summary is not None
     assert summary["num_processes"] == 2 and summary["distributed_type"] == "MULTI_CPU"
     assert summary["global_batch_size"] == 2 * summary["batch_size_per_process"]
-    assert summary["eval_examples"] == 501  # gather_for_metrics: each once, though one rank's share is padded
+    assert summary["dataset"]["test"] == 3797 and summary["eval_examples"] == 501  # the split; evaluated, each once
+    # (gather_for_metrics drops the sample that pads one rank's share)
     assert summary["zoomem"]["plans"][0]["recomputed_units"] >= 1
 
 
