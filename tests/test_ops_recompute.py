@@ -623,6 +623,93 @@ def test_skip_logits_keeps_logits_it_cannot_make_again() -> None:
     undo()
 
 
+@pytest.mark.parametrize("mode", ["fp32", "autocast"])
+def test_skip_logits_never_makes_the_logits(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``skip_logits`` the head's ``batch x sequence x vocabulary`` output is never made, not even in the
+    forward (``zoomem.ops.deferred``): the forward's peak is lower than with the logits kept by at least their
+    bytes, and loss and gradients are stock's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zoomem.measure import MemoryMeter
+
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 12)
+    torch.manual_seed(0)
+    stock = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=4000, n_positions=32)).train()
+    ours = copy.deepcopy(stock)
+    undos = [install_impl(ours, "cross_entropy_logits"), install_impl(ours.transformer.wte, "embedding_tied_grad")]
+    ids = torch.randint(0, 4000, (2, 20), generator=torch.Generator().manual_seed(0))
+    peaks, results = {}, {}
+    for name, m, skip in (("stock", stock, False), ("kept", ours, False), ("skipped", ours, True)):
+        L.set_skip_logits(ours, skip)
+        m.zero_grad()
+        torch.manual_seed(1)
+        with MemoryMeter(m) as meter:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                out = m(input_ids=ids, labels=ids)
+            meter.mark("forward")
+            out.loss.backward()
+        peaks[name] = meter.report.phases["forward"].peak_bytes
+        results[name] = (out.loss.detach(), [p.grad for p in m.parameters()])
+        del out
+    logits_bytes = 2 * 20 * 4000 * (2 if mode == "autocast" else 4)
+    assert peaks["skipped"] <= peaks["kept"] - 0.9 * logits_bytes, peaks  # (kept: the logits made and held)
+    tol = 1e-5 if mode == "fp32" else 1e-2
+    for name in ("kept", "skipped"):
+        assert rel(results[name][0], results["stock"][0]) < tol / 10
+        for g, ref in zip(results[name][1], results["stock"][1]):
+            assert rel(g, ref) < tol, name
+    L.set_skip_logits(ours, False)
+    for undo in undos:
+        undo()
+
+
+def test_skip_logits_with_a_tuple_output_returns_the_logits_made() -> None:
+    """``return_dict=False``: the output is a tuple the fused loss cannot drop the logits from; they come back made
+    (a plain tensor, the head's output bitwise) before the forward returns, with stock's loss and gradients."""
+    stock = _tiny_gpt2()
+    ours = copy.deepcopy(stock)
+    undo = install_impl(ours, "cross_entropy_logits")
+    L.set_skip_logits(ours, True)
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (stock, ours):
+        torch.manual_seed(1)
+        outs.append(m(input_ids=ids, labels=ids, return_dict=False))
+        outs[-1][0].backward()
+    (ref_loss, ref_logits), (loss, logits) = outs[0][:2], outs[1][:2]
+    assert type(logits) is torch.Tensor and torch.equal(logits, ref_logits)
+    assert loss.grad_fn.name() == "LinearCrossEntropyBackward" and rel(loss, ref_loss) < 1e-6
+    _grads_close(stock, ours)
+    L.set_skip_logits(ours, False)
+    undo()
+
+
+def test_skip_logits_on_logits_the_model_changes_runs_stock() -> None:
+    """Gemma-2 divides its head's output, takes ``tanh`` and multiplies (``final_logit_softcapping``): the deferred
+    output is made at the division, the loss runs over the changed logits as stock's does (not fused: they are not
+    the head's output) and the forward returns them."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0)
+    stock = Gemma2ForCausalLM(cfg).train()
+    ours = copy.deepcopy(stock)
+    undo = install_impl(ours, "cross_entropy_logits")
+    L.set_skip_logits(ours, True)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (stock, ours):
+        torch.manual_seed(1)
+        outs.append(m(input_ids=ids, labels=ids))
+        outs[-1].loss.backward()
+    assert type(outs[1].logits) is torch.Tensor and torch.equal(outs[1].logits, outs[0].logits)
+    assert outs[1].loss.grad_fn.name() != "LinearCrossEntropyBackward" and rel(outs[1].loss, outs[0].loss) < 1e-6
+    _grads_close(stock, ours)
+    L.set_skip_logits(ours, False)
+    undo()
+
+
 def test_fused_head_under_autocast_holds_no_fp32_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 1 << 16)
     (stock, logits), (ours, _) = _head_step(False, True), _head_step(True, True)

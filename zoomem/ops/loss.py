@@ -51,8 +51,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..autograd_graph import autograd_nodes
+from .deferred import DeferredLogits, defer, is_deferred, materialize, root
 from .functional import _kernel_value
 from .routing import RoutingMode
 
@@ -133,15 +135,20 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, hidden, weight, bias, target, ignore_index, reduction,  # type: ignore[override]
                 matmul_dtype=None, keep_logits=True):
-        cdt = _compute_dtype(logits)
-        rows = _slices(logits.shape[0], logits.shape[1], 1)
-        lse = torch.empty(logits.shape[0], dtype=cdt, device=logits.device)
-        for r in range(0, logits.shape[0], rows):  # logsumexp's exp(x - max) is a temporary of its input's size
-            torch.logsumexp(logits[r:r + rows].to(cdt), 1, out=lse[r:r + rows])
         valid = target != ignore_index
         safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device))
-        nll = torch.where(valid, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1).to(cdt),
-                          torch.zeros((), dtype=cdt, device=logits.device))
+        if logits is None:  # a deferred head (zoomem.ops.deferred): its products made here, a slice at a time
+            cdt = torch.promote_types(matmul_dtype, torch.float32)
+            lse, picked = _head_lse(hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe, valid, matmul_dtype,
+                                    cdt)
+        else:
+            cdt = _compute_dtype(logits)
+            rows = _slices(logits.shape[0], logits.shape[1], 1)
+            lse = torch.empty(logits.shape[0], dtype=cdt, device=logits.device)
+            for r in range(0, logits.shape[0], rows):  # logsumexp's exp(x - max): a temporary of its input's size
+                torch.logsumexp(logits[r:r + rows].to(cdt), 1, out=lse[r:r + rows])
+            picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).to(cdt)
+        nll = torch.where(valid, lse - picked, torch.zeros((), dtype=cdt, device=lse.device))
         if reduction == "mean":
             loss = nll.sum() / valid.sum().to(cdt)
         else:
@@ -241,6 +248,39 @@ def _sliced_grads(logits: torch.Tensor | None, lse: torch.Tensor, h: torch.Tenso
     return grad_h, grad_w, grad_b
 
 
+def _head_lse(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, safe: torch.Tensor,
+              valid: torch.Tensor, mdt: torch.dtype, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``h``: the log-sum-exp of ``h @ W^T + b`` and its value at the target, made a slice of the
+    vocabulary at a time (as :func:`_sliced_grads` makes them again in backward: the same rows, slices, dtypes and
+    products) and merged with ``logaddexp``; rows whose target is ignored are left out (zeros), as backward leaves
+    them out, so a masked-LM batch runs about 15% of the head's product."""
+    lse = torch.zeros(h.shape[0], dtype=cdt, device=h.device)
+    picked = torch.zeros(h.shape[0], dtype=cdt, device=h.device)
+    rows = valid.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return lse, picked
+    if rows.numel() == h.shape[0]:
+        rows = None
+    else:
+        h, safe = h.index_select(0, rows), safe[rows]
+    hm = h if h.dtype == mdt else h.to(mdt)
+    acc = torch.full((h.shape[0],), float("-inf"), dtype=cdt, device=h.device)
+    got = torch.zeros(h.shape[0], dtype=cdt, device=h.device)
+    row_ids = torch.arange(h.shape[0], device=h.device)
+    vocab = weight.shape[0]
+    cols = _slices(vocab, h.shape[0], h.shape[1])
+    with torch.autocast(h.device.type, enabled=False):  # the products in mdt, as the head's forward ran them
+        for v in range(0, vocab, cols):
+            part = F.linear(hm, weight[v:v + cols].to(mdt), None if bias is None else bias[v:v + cols].to(mdt))
+            z = part.to(cdt)
+            torch.logaddexp(acc, torch.logsumexp(z, 1), out=acc)
+            hit = (safe >= v) & (safe < v + z.shape[1])
+            got[hit] = z[row_ids[hit], safe[hit] - v]
+    if rows is None:
+        return acc, got
+    return lse.index_copy_(0, rows, acc), picked.index_copy_(0, rows, got)
+
+
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """The loss's precision: fp32 for bf16/fp16 logits (HF upcasts them before its cross-entropy), else theirs."""
     return torch.promote_types(logits.dtype, torch.float32)
@@ -325,6 +365,7 @@ class _Window:
     def __init__(self, head: nn.Module, skip_logits: bool = False) -> None:
         self.mode = route_cross_entropy(head, skip_logits)
         self.open = False
+        self.deferred: list[weakref.ref] = []  # type: ignore[type-arg]  (the head outputs it stood in for)
 
     def close(self) -> None:
         if not self.open:
@@ -361,6 +402,8 @@ def record_head(model: nn.Module) -> Callable[[], None]:
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DeferredLogits):
+        return root(t)
     return t._base if t._base is not None else t
 
 
@@ -464,6 +507,15 @@ class route_cross_entropy(RoutingMode):
                 or not isinstance(target, torch.Tensor) or input.dim() != 2 or target.dim() != 1
                 or target.dtype != torch.long or not input.requires_grad or not torch.is_grad_enabled()):
             return None
+        if isinstance(input, DeferredLogits):
+            call = input._zm_call
+            if (not is_deferred(input) or call.owner is not self.head
+                    or input.dtype not in (torch.float32, torch.float64)
+                    or input.shape[0] != call.hidden.numel() // call.hidden.shape[-1]):
+                return None  # runs as it is, on the head's output made now
+            self.unsaved.append(weakref.ref(root(input)))
+            return LinearCrossEntropy.apply(None, call.hidden, self.head.weight, self.head.bias, target,
+                                            int(ignore_index), reduction, call.matmul_dtype, False)
         fused = _head_of(input, self.head)
         if fused is not None:  # the logits as the head made them (bf16 under autocast), not HF's fp32 copy
             hidden, head, logits, matmul_dtype = fused
@@ -492,17 +544,82 @@ def routed_forward(model: nn.Module, original: Callable[..., Any], *args: Any, *
     forward, to_fp32 = _inside_fp32_outputs(original) if skip else (original, None)
     previous = _WINDOWS.get(head)
     window = _WINDOWS[head] = _Window(head, skip)
+    undefer = (_defer_head(head, window) if skip and kwargs.get("labels") is not None and type(head) is nn.Linear
+               and torch.is_grad_enabled() else None)
     try:
         output = _without_unsaved_logits(forward(*args, **kwargs), window.mode.unsaved)
+        if any(ref() is not None for ref in window.deferred):
+            output = _made_now(output, window.deferred)
         return output if to_fp32 is None else to_fp32(output)
     finally:
         try:
             window.close()
         finally:
+            if undefer is not None:
+                undefer()
             if previous is not None:
                 _WINDOWS[head] = previous
             else:
                 _WINDOWS.pop(head, None)
+
+
+def _made_now(output: Any, deferred: list[weakref.ref]) -> Any:  # type: ignore[type-arg]
+    """``output`` with the head outputs it holds made and in place of their stand-ins (a tuple output with
+    ``return_dict=False``), and every other stand-in still held elsewhere (a hook's) made too: after the forward
+    nothing may stand for logits, whose values would depend on weights an optimizer step changes."""
+    output = pytree.tree_map_only(DeferredLogits, materialize, output)
+    for ref in deferred:
+        held = ref()
+        if held is not None:
+            materialize(held)
+    return output
+
+
+def _defer_head(head: nn.Linear, window: _Window) -> Callable[[], None]:
+    """Make ``head`` (an ``nn.Linear``) return a :class:`~zoomem.ops.deferred.DeferredLogits` for this forward
+    where :func:`_head_dtype` allows, so that with ``skip_logits`` the fused loss computes from its input and the
+    ``batch x sequence x vocabulary`` output never exists; returns the undo (its forward as it was)."""
+    previous = head.__dict__.get("forward")
+    inner = previous if previous is not None else head.forward
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        dtype = _head_dtype(head, input) if _WINDOWS.get(head) is window else None
+        if dtype is None:
+            return inner(input)
+        stand_in = defer(head, inner, input, head.weight, dtype)
+        window.deferred.append(weakref.ref(stand_in))
+        return stand_in
+
+    head.forward = forward
+
+    def undo() -> None:
+        if previous is None:
+            head.__dict__.pop("forward", None)
+        else:
+            head.forward = previous
+
+    return undo
+
+
+_HEAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _head_dtype(head: nn.Linear, input: Any) -> torch.dtype | None:
+    """The dtype ``head(input)`` would run its product in (autocast's where on), or ``None`` where its output is
+    not one :class:`LinearCrossEntropy` can compute from ``input`` (not a plain strided tensor, no gradient, mixed
+    dtypes or devices)."""
+    w, b = head.weight, head.bias
+    if (type(input) is not torch.Tensor or not isinstance(w, torch.Tensor) or type(w.data) is not torch.Tensor
+            or not torch.is_grad_enabled() or not (input.requires_grad or w.requires_grad)
+            or input.dim() < 2 or input.shape[-1] != w.shape[1] or input.device != w.device
+            or input.layout != torch.strided or w.layout != torch.strided):
+        return None
+    dtypes = {input.dtype, w.dtype} | ({b.dtype} if b is not None else set())
+    if not dtypes <= set(_HEAD_DTYPES):
+        return None
+    if torch.is_autocast_enabled(input.device.type):
+        return torch.get_autocast_dtype(input.device.type) if torch.float64 not in dtypes else None
+    return w.dtype if len(dtypes) == 1 else None
 
 
 _SKIP_LOGITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
