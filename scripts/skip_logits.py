@@ -1,5 +1,5 @@
-"""What ``skip_logits`` saves and costs on an HF language model: memory held after forward, the step's peak and its
-time, with the rest of the plan fixed.
+"""What ``skip_logits`` saves and costs on an HF language model: memory held after forward, the forward's peak, the
+step's peak and its time, with the rest of the plan fixed.
 
     python scripts/skip_logits.py hf/gpt2 --batch 2 --set n_layer=2 --seq-len 256    # about 2 minutes, 2 CPU cores
 
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             out = step(name, meter)
         report = meter.report
         print(f"{name}: logits returned {out.logits is not None}; held after forward "
-              f"{report.activation_bytes / MIB:.1f} MiB, step peak {report.peak_bytes / MIB:.1f} MiB")
+              f"{report.activation_bytes / MIB:.1f} MiB, forward peak {report.phases['forward'].peak_bytes / MIB:.1f} "
+              f"MiB, step peak {report.peak_bytes / MIB:.1f} MiB")
         del out
     medians = interleaved_medians(list(CONFIGS), step, args.rounds)
     zoomem.unwrap(model)

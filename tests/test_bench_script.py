@@ -442,16 +442,20 @@ def test_compact_times_script_shows_raw_and_priced_times():
 
 def test_skip_logits_script_shows_the_logits_gone_and_the_bytes_saved():
     """`scripts/skip_logits.py` meters and times the stock loss, the fused loss and the fused loss with
-    ``skip_logits`` on one plan: only the last returns no logits, and it holds the least after forward."""
+    ``skip_logits`` on one plan: only the last returns no logits, it holds the least after forward, and its forward
+    peaks lower than the fused loss's by at least the logits (it never makes them)."""
     cmd = [sys.executable, str(REPO / "scripts" / "skip_logits.py"), "hf/gpt2", "--small", "--rounds", "1"]
     proc = run_script(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
-    held = {}
+    held, peak = {}, {}
     for line in proc.stdout.splitlines():
         if "held after forward" in line:
             name = line.split(":")[0]
             held[name] = float(line.split("held after forward ")[1].split(" MiB")[0])
+            peak[name] = float(line.split("forward peak ")[1].split(" MiB")[0])
             assert ("logits returned False" in line) == (name == "fused loss, skip_logits"), line
     assert list(held) == ["stock loss", "fused loss", "fused loss, skip_logits"], proc.stdout
     assert held["fused loss, skip_logits"] < held["fused loss"] < held["stock loss"], proc.stdout
+    logits_mib = 2 * 64 * 50257 * 4 / 2**20  # zoo.small's GPT-2 batch: 2 x 64 tokens, fp32
+    assert peak["fused loss, skip_logits"] <= peak["fused loss"] - 0.9 * logits_mib, proc.stdout
     assert sum("interleaved steps" in line for line in proc.stdout.splitlines()) == 3

@@ -30,8 +30,11 @@ fp32 of the logits' size is kept.
 With :func:`set_skip_logits` (``zoomem.wrap(skip_logits=True)``) the fused loss saves no logits: its backward
 makes each slice again from the head's input and weight (one more head-sized product per step), and the model's
 forward returns its output with ``logits=None`` (:func:`routed_forward`), as Liger-Kernel's fused loss does in
-training, so nothing holds the ``batch x sequence x vocabulary`` tensor past the forward. Logits the head does not
-make by itself (BART's sum with ``final_logits_bias``) are kept and returned as before.
+training. In a forward with ``labels`` the head (an ``nn.Linear``) does not even make them: it returns a
+:class:`~zoomem.ops.deferred.DeferredLogits` stand-in, and the loss makes the slices from the head's input in
+forward too, so the ``batch x sequence x vocabulary`` tensor never exists. Logits the head does not make by itself
+(BART's sum with ``final_logits_bias``, Gemma-2's soft-capped ones) are made where the model reads them, kept and
+returned as before.
 
 A head tied to the input embedding (GPT-2, T5, tied Llamas) gets its weight's gradient twice: from the head, then
 from the embedding, whose stock backward allocates a second vocabulary-sized tensor to add to the first (147 MiB
