@@ -351,15 +351,18 @@ def _mlm_models() -> list[tuple[str, Callable[[], nn.Module]]]:
     ]
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["logits", "skip_logits"])
 @pytest.mark.parametrize("name", ["bert_mlm", "t5", "bart"])
-def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str) -> None:
+def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str, skip: bool) -> None:
     """BertForMaskedLM, T5 and BART call ``nn.CrossEntropyLoss`` in ``forward`` (on a view of the logits), not
     HF's ``loss_function``: the loss is fused all the same, with stock's values and gradients (ignored labels too;
-    BART's logits are the head's output plus its ``final_logits_bias`` buffer)."""
+    BART's logits are the head's output plus its ``final_logits_bias`` buffer). With ``skip_logits`` the head's
+    output is never made (the loss computes the labelled rows from its input); BART's sum is made and returned."""
     torch.manual_seed(0)
     stock = dict(_mlm_models())[name]().train()
     ours = copy.deepcopy(stock)
     undo = install_impl(ours, "cross_entropy_logits")
+    L.set_skip_logits(ours, skip)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
     labels[:, ::3] = -100
@@ -369,9 +372,11 @@ def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str) -> None
         out = m(input_ids=ids, labels=labels)
         out.loss.backward()
         losses.append(out.loss)
+    assert (out.logits is None) == (skip and name != "bart")
     assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward"
     assert rel(losses[1], losses[0]) < 1e-6
     _grads_close(stock, ours)
+    L.set_skip_logits(ours, False)
     undo()
 
 

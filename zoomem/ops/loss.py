@@ -615,7 +615,7 @@ def _head_dtype(head: nn.Linear, input: Any) -> torch.dtype | None:
     if (type(input) is not torch.Tensor or not isinstance(w, torch.Tensor) or type(w.data) is not torch.Tensor
             or not torch.is_grad_enabled() or not (input.requires_grad or w.requires_grad)
             or input.dim() < 2 or input.shape[-1] != w.shape[1] or input.device != w.device
-            or input.layout != torch.strided or w.layout != torch.strided):
+            or input.layout != torch.strided or w.layout != torch.strided or (b is not None and b.device != w.device)):
         return None
     dtypes = {input.dtype, w.dtype} | ({b.dtype} if b is not None else set())
     if not dtypes <= set(_HEAD_DTYPES):
