@@ -457,5 +457,6 @@ def test_skip_logits_script_shows_the_logits_gone_and_the_bytes_saved():
     assert list(held) == ["stock loss", "fused loss", "fused loss, skip_logits"], proc.stdout
     assert held["fused loss, skip_logits"] < held["fused loss"] < held["stock loss"], proc.stdout
     logits_mib = 2 * 64 * 50257 * 4 / 2**20  # zoo.small's GPT-2 batch: 2 x 64 tokens, fp32
-    assert peak["fused loss, skip_logits"] <= peak["fused loss"] - 0.9 * logits_mib, proc.stdout
+    # (the loss's slices instead: 4 MiB and their exponential at a time)
+    assert peak["fused loss, skip_logits"] <= peak["fused loss"] - 0.5 * logits_mib, proc.stdout
     assert sum("interleaved steps" in line for line in proc.stdout.splitlines()) == 3
