@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoomem.ops.deferred import defer, is_deferred, materialize, root
+from zoomem.ops.deferred import defer, is_deferred, materialize, offsets, root
 
 
 def _head(dtype: torch.dtype = torch.float32) -> tuple[nn.Linear, torch.Tensor]:
@@ -73,3 +73,17 @@ def test_anything_but_an_upcast_or_a_view_keeping_the_vocabulary_makes_the_outpu
     expected = head(hidden)
     torch.testing.assert_close(result, {"to_device": expected, "slice": expected[:, :-1], "contiguous": expected,
                                         "view_splitting_vocab": expected.view(12, 5, 10)}[op], rtol=0, atol=0)
+
+
+def test_a_constant_row_added_to_the_head_output_stays_deferred() -> None:
+    """BART adds its ``final_logits_bias`` (``[1, vocab]``, no gradient) to the head's output: still a stand-in,
+    made as the sum where read; a constant needing a gradient, another shape or another dtype makes the output."""
+    head, hidden = _head()
+    c = torch.randn(1, 50)
+    d = defer(head, head.forward, hidden, head.weight, torch.float32)
+    summed = d + c
+    assert is_deferred(summed) and offsets(summed.view(-1, 50)) == [c] and root(summed) is d
+    torch.testing.assert_close(summed * 1, head(hidden) + c, rtol=0, atol=0)
+    for other in (torch.randn(1, 50, requires_grad=True), torch.randn(6, 50), torch.randn(1, 50).double()):
+        d = defer(head, head.forward, hidden, head.weight, torch.float32)
+        assert type(d + other) is torch.Tensor and not is_deferred(d)

@@ -357,7 +357,7 @@ def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str, skip: b
     """BertForMaskedLM, T5 and BART call ``nn.CrossEntropyLoss`` in ``forward`` (on a view of the logits), not
     HF's ``loss_function``: the loss is fused all the same, with stock's values and gradients (ignored labels too;
     BART's logits are the head's output plus its ``final_logits_bias`` buffer). With ``skip_logits`` the head's
-    output is never made (the loss computes the labelled rows from its input); BART's sum is made and returned."""
+    output is never made (the loss computes the labelled rows from its input; BART's buffer joins the head's bias)."""
     torch.manual_seed(0)
     stock = dict(_mlm_models())[name]().train()
     ours = copy.deepcopy(stock)
@@ -372,7 +372,7 @@ def test_fused_head_routes_a_loss_the_forward_computes_itself(name: str, skip: b
         out = m(input_ids=ids, labels=labels)
         out.loss.backward()
         losses.append(out.loss)
-    assert (out.logits is None) == (skip and name != "bart")
+    assert (out.logits is None) == skip
     assert losses[1].grad_fn.name() == "LinearCrossEntropyBackward"
     assert rel(losses[1], losses[0]) < 1e-6
     _grads_close(stock, ours)
@@ -618,15 +618,19 @@ def test_skip_logits_returns_no_logits_and_stock_gradients(mode: str, monkeypatc
 
 
 def test_skip_logits_keeps_logits_it_cannot_make_again() -> None:
-    """BART's logits are the head's output plus ``final_logits_bias``: the fused loss keeps them, the forward returns
-    them, whatever ``skip_logits`` says."""
+    """Under bf16 autocast BART's logits are the head's bf16 output plus its fp32 ``final_logits_bias``, an fp32 sum
+    the fused loss cannot make again a slice at a time as the forward made it: it keeps them, the forward returns
+    them, whatever ``skip_logits`` says. (In fp32 the bias joins the head's: nothing is made, nothing returned.)"""
     model = dict(_mlm_models())["bart"]()
     undo = install_impl(model, "cross_entropy_logits")
-    L.set_skip_logits(model, True)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    out = model(input_ids=ids, labels=ids)
-    assert out.loss.grad_fn.name() == "LinearCrossEntropyBackward" and out.logits is not None
-    assert out.loss.grad_fn.saved_tensors[0] is not None
+    for skip in (False, True):
+        L.set_skip_logits(model, skip)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        assert out.loss.grad_fn.name() == "LinearCrossEntropyBackward" and out.logits is not None
+        assert out.logits.dtype == torch.float32 and out.loss.grad_fn.saved_tensors[0] is not None
+        assert (model(input_ids=ids, labels=ids).logits is None) == skip
     L.set_skip_logits(model, False)
     undo()
 

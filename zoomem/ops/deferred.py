@@ -6,7 +6,8 @@ tensor in the forward (GPT-2 at 8 x 512 tokens: 785 MiB in fp32), at the one mom
 backward is alive too. :class:`DeferredLogits` stands in for that output: a tensor of the right shape, dtype and
 device over a one-element storage, that records the head's call (its input, its forward, the grad mode and the
 autocast state) instead of running it. The ops HF's losses apply before their cross-entropy (``.float()``,
-``.view(-1, vocab)``, ``.reshape``) give more such stand-ins, and the routed cross-entropy recognises them and
+``.view(-1, vocab)``, ``.reshape``), and adding a constant row over the vocabulary to the head's output (BART's
+``final_logits_bias``), give more such stand-ins, and the routed cross-entropy recognises them and
 computes the loss from the head's input a slice of the vocabulary at a time, as Liger-Kernel's fused linear
 cross-entropy does.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["DeferredLogits", "defer", "materialize", "is_deferred", "root"]
+__all__ = ["DeferredLogits", "defer", "materialize", "is_deferred", "root", "offsets"]
 
 
 class _Call:
@@ -61,6 +62,7 @@ pointer are the stand-in's one element: nothing else exists yet)."""
 
 _UPCASTS = frozenset([torch.Tensor.float, torch.Tensor.to])
 _VIEWS = frozenset([torch.Tensor.view, torch.Tensor.reshape, torch.reshape])
+_ADDS = frozenset([torch.Tensor.add, torch.Tensor.__add__, torch.add])
 
 
 class DeferredLogits(torch.Tensor):
@@ -114,6 +116,12 @@ def _derive(t: DeferredLogits, func: Callable[..., Any], args: tuple, kwargs: di
             if target != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
                 return None
             return DeferredLogits._make(t._zm_call, shape, target, t, ("float", None))
+        if func in _ADDS and len(args) == 1 and not kwargs and t._zm_parent is None:
+            other = args[0]  # a constant row over the vocabulary (BART's final_logits_bias): the head's bias plus it
+            if (type(other) is not torch.Tensor or other.requires_grad or other.dtype != dtype
+                    or other.device != t.device or other.numel() != shape[-1] or other.shape[-1] != shape[-1]):
+                return None
+            return DeferredLogits._make(t._zm_call, shape, dtype, t, ("add", other))
         if func in _VIEWS and not kwargs:
             sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
             try:
@@ -135,7 +143,7 @@ def materialize(t: DeferredLogits) -> torch.Tensor:
             real = materialize(t._zm_parent)
             kind, arg = t._zm_step
             with torch.set_grad_enabled(t._zm_call.grad):  # the steps' graph too, as they would have run
-                real = real.float() if kind == "float" else real.reshape(arg)
+                real = real.float() if kind == "float" else real + arg if kind == "add" else real.reshape(arg)
         t._zm_real = real
     return t._zm_real
 
@@ -143,6 +151,16 @@ def materialize(t: DeferredLogits) -> torch.Tensor:
 def is_deferred(t: Any) -> bool:
     """Whether ``t`` is a stand-in whose head output nothing has made yet."""
     return isinstance(t, DeferredLogits) and t._zm_call.real is None
+
+
+def offsets(t: DeferredLogits) -> list[torch.Tensor]:
+    """The constants added to the head's output on the way to ``t`` (each a row over the vocabulary)."""
+    found = []
+    while t._zm_parent is not None:
+        if t._zm_step[0] == "add":
+            found.append(t._zm_step[1])
+        t = t._zm_parent
+    return found
 
 
 def root(t: DeferredLogits) -> DeferredLogits:

@@ -32,9 +32,10 @@ makes each slice again from the head's input and weight (one more head-sized pro
 forward returns its output with ``logits=None`` (:func:`routed_forward`), as Liger-Kernel's fused loss does in
 training. In a forward with ``labels`` the head (an ``nn.Linear``) does not even make them: it returns a
 :class:`~zoomem.ops.deferred.DeferredLogits` stand-in, and the loss makes the slices from the head's input in
-forward too, so the ``batch x sequence x vocabulary`` tensor never exists. Logits the head does not make by itself
-(BART's sum with ``final_logits_bias``, Gemma-2's soft-capped ones) are made where the model reads them, kept and
-returned as before.
+forward too, so the ``batch x sequence x vocabulary`` tensor never exists; a constant row added to it (BART's
+``final_logits_bias``) joins the head's bias in those products. Logits the head does not make by itself otherwise
+(Gemma-2's soft-capped ones; BART's sum under autocast, fp32 over bf16 products) are made where the model reads
+them, kept and returned as before.
 
 A head tied to the input embedding (GPT-2, T5, tied Llamas) gets its weight's gradient twice: from the head, then
 from the embedding, whose stock backward allocates a second vocabulary-sized tensor to add to the first (147 MiB
@@ -57,7 +58,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..autograd_graph import autograd_nodes
-from .deferred import DeferredLogits, defer, is_deferred, materialize, root
+from .deferred import DeferredLogits, defer, is_deferred, materialize, offsets, root
 from .functional import _kernel_value
 from .routing import RoutingMode
 
@@ -511,13 +512,17 @@ class route_cross_entropy(RoutingMode):
                 or target.dtype != torch.long or not input.requires_grad or not torch.is_grad_enabled()):
             return None
         if isinstance(input, DeferredLogits):
-            call = input._zm_call
+            call, added = input._zm_call, offsets(input)
             if (not is_deferred(input) or call.owner is not self.head
                     or input.dtype not in (torch.float32, torch.float64)
-                    or input.shape[0] != call.hidden.numel() // call.hidden.shape[-1]):
+                    or input.shape[0] != call.hidden.numel() // call.hidden.shape[-1]
+                    or (added and call.matmul_dtype != input.dtype)):  # (a constant on autocast's output: made)
                 return None  # runs as it is, on the head's output made now
             self.unsaved.append(weakref.ref(root(input)))
-            return LinearCrossEntropy.apply(None, call.hidden, self.head.weight, self.head.bias, target,
+            bias = self.head.bias
+            for c in added:  # the head's product plus its bias plus the constants: one bias
+                bias = c.reshape(-1) if bias is None else bias + c.reshape(-1)
+            return LinearCrossEntropy.apply(None, call.hidden, self.head.weight, bias, target,
                                             int(ignore_index), reduction, call.matmul_dtype, False)
         fused = _head_of(input, self.head)
         if fused is not None:  # the logits as the head made them (bf16 under autocast), not HF's fp32 copy
