@@ -66,8 +66,8 @@ _ADDS = frozenset([torch.Tensor.add, torch.Tensor.__add__, torch.add])
 
 
 class DeferredLogits(torch.Tensor):
-    """A stand-in for an LM head's output (or its ``.float()`` copy, or a view keeping the vocabulary dimension
-    last) that has not been computed; see the module docstring."""
+    """A stand-in for an LM head's output (or its ``.float()`` copy, its sum with a constant row, or a view keeping
+    the vocabulary dimension last) that has not been computed; see the module docstring."""
 
     _zm_call: _Call
     _zm_parent: "DeferredLogits | None"
@@ -98,8 +98,9 @@ class DeferredLogits(torch.Tensor):
 
 
 def _derive(t: DeferredLogits, func: Callable[..., Any], args: tuple, kwargs: dict) -> DeferredLogits | None:
-    """The stand-in for ``func(t, *args, **kwargs)`` where that is an upcast to fp32 or a view keeping the last
-    (vocabulary) dimension; ``None`` for anything else."""
+    """The stand-in for ``func(t, *args, **kwargs)`` where that is an upcast to fp32, a view keeping the last
+    (vocabulary) dimension, or (on the head's output itself) the sum with a constant row over the vocabulary of its
+    dtype; ``None`` for anything else."""
     with torch._C.DisableTorchFunctionSubclass():
         shape, dtype = t.shape, t.dtype
         if func in _UPCASTS:
