@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return out  # (the caller holds the output to the end of the step)
 
     for name in CONFIGS:
+        # the previous configuration's gradients freed before the meter starts: it ignores frees of blocks from
+        # before its window, so freeing them inside would count them as held through this step
+        model.zero_grad(set_to_none=True)
         with zoomem.MemoryMeter(model, batch) as meter:
             out = step(name, meter)
         report = meter.report
