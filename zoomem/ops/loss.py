@@ -227,7 +227,7 @@ def _sliced_grads(logits: torch.Tensor | None, lse: torch.Tensor, h: torch.Tenso
     row_ids = torch.arange(h.shape[0], device=h.device)
     for v in range(0, vocab, cols):
         if logits is None:
-            part = F.linear(hm, weight[v:v + cols].to(mdt), None if bias is None else bias[v:v + cols].to(mdt))
+            part = _head_slice(hm, weight, bias, mdt, v, cols)
         else:
             part = logits[:, v:v + cols] if rows is None else logits[:, v:v + cols].index_select(0, rows)
         g = torch.sub(part.to(cdt), lse.unsqueeze(1)).exp_()
@@ -250,6 +250,14 @@ def _sliced_grads(logits: torch.Tensor | None, lse: torch.Tensor, h: torch.Tenso
     if rows is not None and grad_h is not None:
         grad_h = full_h.index_copy_(0, rows, grad_h)
     return grad_h, grad_w, grad_b
+
+
+def _head_slice(hm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mdt: torch.dtype, v: int,
+                cols: int) -> torch.Tensor:
+    """The head's product for vocabulary columns ``v:v + cols`` in ``mdt``: the one way both the forward without
+    logits (:func:`_head_lse`) and the backward making them again (:func:`_sliced_grads`) make a slice, so the two
+    agree bitwise where their rows and slices do."""
+    return F.linear(hm, weight[v:v + cols].to(mdt), None if bias is None else bias[v:v + cols].to(mdt))
 
 
 def _head_lse(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, safe: torch.Tensor,
@@ -275,7 +283,7 @@ def _head_lse(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     cols = _slices(vocab, h.shape[0], h.shape[1])
     with torch.autocast(h.device.type, enabled=False):  # the products in mdt, as the head's forward ran them
         for v in range(0, vocab, cols):
-            part = F.linear(hm, weight[v:v + cols].to(mdt), None if bias is None else bias[v:v + cols].to(mdt))
+            part = _head_slice(hm, weight, bias, mdt, v, cols)
             z = part.to(cdt)
             torch.logaddexp(acc, torch.logsumexp(z, 1), out=acc)
             hit = (safe >= v) & (safe < v + z.shape[1])
