@@ -460,3 +460,18 @@ def test_skip_logits_script_shows_the_logits_gone_and_the_bytes_saved():
     # (the loss's slices instead: 4 MiB and their exponential at a time)
     assert peak["fused loss, skip_logits"] <= peak["fused loss"] - 0.5 * logits_mib, proc.stdout
     assert sum("interleaved steps" in line for line in proc.stdout.splitlines()) == 3
+
+
+def test_refresh_memory_script_meters_the_refresh_within_plain_pytorchs_step():
+    """`scripts/refresh_memory.py` meters step 1 (sensitivities measured again) beside the plan's steps: on the
+    small GPT-2 at batch 8 refreshes measure on sub-batches, and that step peaks within plain PyTorch's step."""
+    cmd = [sys.executable, str(REPO / "scripts" / "refresh_memory.py"), "hf/gpt2", "--small", "--steps", "2"]
+    proc = run_script(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    lines = proc.stdout.splitlines()
+    plan = next(line for line in lines if line.startswith("plan:"))
+    plain = float(plan.split("plain PyTorch predicted ")[1].split(" MiB")[0])
+    assert "refreshes measure at the batch" not in plan, plan
+    peaks = [float(line.split("peak ")[1].split(" MiB")[0]) for line in lines if line.startswith("step ")]
+    assert len(peaks) == 2 and "(refresh)" in lines[-2] and "(refresh)" not in lines[-1], proc.stdout
+    assert peaks[1] < peaks[0] <= plain * 1.02, proc.stdout

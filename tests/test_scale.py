@@ -17,7 +17,7 @@ import torch
 import zoomem
 from zoomem import zoo
 from zoomem.planner import Decision
-from zoomem.planner.scale import Scale, ScalingError, scale_costs, trace_sizes
+from zoomem.planner.scale import Scale, ScalingError, scale_costs, sizes_within, trace_sizes
 from zoomem.runtime.wrap import _scaled_cost_model, cost_model
 
 from test_wrap import _assert_grads_close, _step
@@ -36,6 +36,21 @@ def test_batch_take_cuts_every_tensor_along_the_batch_dimension() -> None:
     assert part.kwargs["position_ids"].shape == (1, 4)  # not a batch dimension: left whole
     with pytest.raises(ValueError, match="Cannot take 7 samples of a batch of 6"):
         batch.take(7)
+
+
+def test_sizes_within_a_limit() -> None:
+    """The largest sizes whose peak, on the line through the measured ones, stays within the limit."""
+    peaks = [(32, 100 + 10 * 32), (16, 100 + 10 * 16)]  # 100 fixed, 10 per sample
+    assert sizes_within(32, peaks, 420) == (None, 420)  # the whole batch fits
+    assert sizes_within(32, peaks, 419) == (trace_sizes(32, 31), 410)
+    assert sizes_within(32, peaks, 255) == (trace_sizes(32, 15), 250)
+    assert sizes_within(32, peaks, 130) == (trace_sizes(32, 3), 130)
+    assert sizes_within(32, peaks, 129) == (None, 420)  # not even 3 samples fit: the batch, and its peak
+    assert sizes_within(32, peaks, 400, cap=Scale(4, 8, 32)) == (Scale(4, 8, 32), 180)  # no larger than what ran
+    assert sizes_within(32, peaks, 150, cap=Scale(4, 8, 32)) == (trace_sizes(32, 5), 150)
+    assert sizes_within(32, [(32, 420)], 100) == (None, 420)  # one size: no line to choose by
+    assert sizes_within(4, peaks, 135) == (trace_sizes(4, 3), 130)
+    assert sizes_within(3, peaks, 135) == (None, 130)  # nothing below 3 samples to go to
 
 
 def test_trace_sizes_and_time_extrapolation() -> None:

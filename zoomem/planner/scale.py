@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from .compression import SavedInfo
 from .costs import _NO_SAVING, CompactSaving, CostModel, _Point, _Storage
 
-__all__ = ["Scale", "ScalingError", "scale_costs", "scale_saved", "trace_sizes"]
+__all__ = ["Scale", "ScalingError", "scale_costs", "scale_saved", "sizes_within", "trace_sizes"]
 
 
 class ScalingError(ValueError):
@@ -63,6 +63,36 @@ def trace_sizes(target: int, trace_batch_size: int) -> Scale:
             f"traces it and about half of it, each at least 2 samples) and below the batch size {target}."
         )
     return Scale(max(2, trace_batch_size // 2), trace_batch_size, target)
+
+
+def sizes_within(target: int, peaks: Sequence[tuple[int, int]], allowed: int,
+                 cap: Scale | None = None) -> tuple[Scale | None, int]:
+    """The sizes to run a measurement of a ``target``-sample batch at so that its peak stays within ``allowed``
+    bytes, and its predicted peak there.
+
+    ``peaks`` are the measurement's peaks, ``(samples, bytes)``, at two or more batch sizes; like every byte a step
+    holds they are affine in the batch size (the sensitivity probe on GPT-2, BERT and ResNet-18 at 2, 4 and 8
+    samples: within 1% of a line), and the line through the smallest and the largest size predicts the rest.
+    ``cap`` (the sizes that ran already; ``None``: the batch) where they fit, or where ``peaks`` cannot tell, or
+    where not even 3 samples fit (then the peak returned is above ``allowed``: measuring on a few samples would not
+    keep within it, and would measure worse); else the largest :func:`trace_sizes` below ``cap`` that fits.
+    """
+    lo, hi = min(peaks), max(peaks)
+    if hi[0] == lo[0]:
+        return cap, hi[1]
+    per_sample = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    fixed = hi[1] - per_sample * hi[0]
+
+    def peak(n: int) -> int:
+        return int(round(fixed + per_sample * n))
+
+    largest = cap.large if cap is not None else target
+    if peak(largest) <= allowed or per_sample <= 0:
+        return cap, peak(largest)
+    samples = min(int((allowed - fixed) // per_sample), largest - 1)
+    if samples < 3:
+        return cap, peak(largest)
+    return trace_sizes(target, samples), peak(samples)
 
 
 def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
