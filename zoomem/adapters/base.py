@@ -7,6 +7,7 @@ native checkpointing switch (for the baselines). Everything else in zoomem is zo
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,7 +57,18 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
             f"Cannot derive a planning loss from a model output of type {type(output).__name__}: it holds no "
             "floating tensor. Pass `loss_fn=` (a callable (output, batch) -> scalar tensor)."
         )
+    warnings.warn(MEAN_LOSS_WARNING, stacklevel=2)
     return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
+
+
+MEAN_LOSS_WARNING = (
+    "zoomem plans this training step with the mean of the model's outputs as its loss: the output has no `loss` and "
+    "the batch no integer target. If your step computes its loss from the outputs (an HF model called without "
+    "`labels`, your own criterion), pass that loss as `loss_fn=` (a callable (output, zoomem.Batch) -> scalar "
+    "tensor) to zoomem.wrap or zoomem.plan: a plan made for another loss holds other tensors in backward, and "
+    "can peak far above its prediction and the budget (GPT-2 with its loss on `out.logits`: 1.37x)."
+)
+"""Why :func:`default_loss`'s last resort warns: the plan is only as true as the loss it traced."""
 
 
 class Adapter:
