@@ -19,7 +19,7 @@ import time
 import torch
 
 import zoomem
-from zoomem.benchtools import model_and_batch
+from zoomem.benchtools import add_model_arguments, model_from_arguments
 from zoomem.runtime.wrap import _loss, refresh_due
 
 MIB = 2**20
@@ -27,11 +27,7 @@ MIB = 2**20
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="a zoo id (zoomem.zoo), built from its config")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the adapter's)")
-    parser.add_argument("--small", action="store_true", help="the test suite's small layout (zoomem.zoo.small)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="config override")
+    add_model_arguments(parser, batch=8)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--level", default="L2", help="an adaptive level (default L2)")
     which.add_argument("--budget", default=None, help="a budget for compress='auto' instead, e.g. 60%% or 2GiB")
@@ -40,9 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("zoomem.runtime.probe").setLevel(logging.WARNING)
     torch.manual_seed(0)
-    model, adapter, batch = model_and_batch(args.model, args.batch, args.small, args.set)
-    if args.seq_len is not None:
-        batch = adapter.example_batch(model, args.batch, seq_len=args.seq_len)
+    model, adapter, batch = model_from_arguments(args)
     model.train()
     loss_fn = _loss(adapter, model, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import zoomem
-from zoomem.benchtools import interleaved_medians, model_and_batch
+from zoomem.benchtools import add_model_arguments, interleaved_medians, model_from_arguments
 from zoomem.ops.loss import set_skip_logits
 from zoomem.runtime.wrap import _loss
 
@@ -30,17 +30,11 @@ CONFIGS = {"stock loss": (False, False), "fused loss": (True, False), "fused los
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="an HF language-model zoo id (zoomem.zoo), built from its config")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the adapter's)")
-    parser.add_argument("--small", action="store_true", help="the test suite's small layout (zoomem.zoo.small)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="config override")
+    add_model_arguments(parser, batch=2, what="an HF language-model zoo id (zoomem.zoo)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed steps per configuration")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    model, adapter, batch = model_and_batch(args.model, args.batch, args.small, args.set)
-    if args.seq_len is not None:
-        batch = adapter.example_batch(model, args.batch, seq_len=args.seq_len)
+    model, adapter, batch = model_from_arguments(args)
     loss_fn = _loss(adapter, model, None)
     zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
     plan = next(iter(model.__dict__["_zoomem"].plans.values()))  # the plan in force: switched per configuration

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Alarm", "exc_text", "git_info", "grid", "machine_info", "machine_line", "median", "model_and_batch",
-           "result_head", "train_step"]
+__all__ = ["Alarm", "add_model_arguments", "exc_text", "git_info", "grid", "machine_info", "machine_line", "median",
+           "model_and_batch", "model_from_arguments", "result_head", "train_step"]
 
 
 def _cpu_model() -> str:
@@ -133,6 +133,23 @@ def model_and_batch(model_id: str, batch_size: int, small: bool = False,
         return zoo.small(model_id, batch_size=batch_size)
     model, adapter = zoo.build(model_id, **{k: int(v) for k, v in (s.split("=") for s in overrides)})
     return model, adapter, adapter.example_batch(model, batch_size)
+
+
+def add_model_arguments(parser: Any, batch: int, what: str = "a zoo id (zoomem.zoo)") -> None:
+    """The arguments that pick a zoo model and its example batch, as :func:`model_from_arguments` reads them."""
+    parser.add_argument("model", help=f"{what}, built from its config")
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the adapter's)")
+    parser.add_argument("--small", action="store_true", help="the test suite's small layout (zoomem.zoo.small)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="config override")
+
+
+def model_from_arguments(args: Any) -> tuple[Any, Any, Any]:
+    """The model, adapter and example batch that :func:`add_model_arguments`' arguments name."""
+    model, adapter, batch = model_and_batch(args.model, args.batch, args.small, args.set)
+    if args.seq_len is not None:
+        batch = adapter.example_batch(model, args.batch, seq_len=args.seq_len)
+    return model, adapter, batch
 
 
 def exc_text(exc: BaseException) -> str:

@@ -7,7 +7,7 @@ native checkpointing switch (for the baselines). Everything else in zoomem is zo
 
 from __future__ import annotations
 
-import warnings
+import contextvars
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,18 +57,29 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
             f"Cannot derive a planning loss from a model output of type {type(output).__name__}: it holds no "
             "floating tensor. Pass `loss_fn=` (a callable (output, batch) -> scalar tensor)."
         )
-    warnings.warn(MEAN_LOSS_WARNING, stacklevel=2)
+    MEAN_LOSS_BYTES.set(max(MEAN_LOSS_BYTES.get(), sum(t.numel() * t.element_size() for t in leaves)))
     return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
 
 
-MEAN_LOSS_WARNING = (
-    "zoomem plans this training step with the mean of the model's outputs as its loss: the output has no `loss` and "
-    "the batch no integer target. If your step computes its loss from the outputs (an HF model called without "
-    "`labels`, your own criterion), pass that loss as `loss_fn=` (a callable (output, zoomem.Batch) -> scalar "
-    "tensor) to zoomem.wrap or zoomem.plan: a plan made for another loss holds other tensors in backward, and "
-    "can peak far above its prediction and the budget (GPT-2 with its loss on `out.logits`: 1.37x)."
-)
-"""Why :func:`default_loss`'s last resort warns: the plan is only as true as the loss it traced."""
+MEAN_LOSS_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("zoomem_mean_loss_bytes", default=0)
+"""Bytes of the outputs :func:`default_loss` last took the mean of (0: it found a loss): planning warns where a
+criterion on them could hold a share of the step that the plan never saw (:func:`mean_loss_warning`)."""
+
+
+def mean_loss_warning(output_bytes: int, peak_bytes: int) -> str | None:
+    """The warning for a plan traced with the mean of outputs of ``output_bytes`` as its loss, where they are at
+    least 5% of the step's ``peak_bytes`` (a criterion on them holds a multiple of them: cross-entropy its
+    log-probabilities and their gradient); ``None`` where they are less (a classifier's logits)."""
+    if output_bytes < 0.05 * peak_bytes:
+        return None
+    return (
+        f"zoomem planned this training step with the mean of the model's outputs as its loss: the output has no "
+        f"`loss` and the batch no integer target, and the outputs are {output_bytes / 2**20:.1f} MiB, "
+        f"{output_bytes / peak_bytes:.0%} of plain PyTorch's step. If your step computes its loss from them (an HF "
+        f"model called without `labels`, your own criterion), pass that loss as `loss_fn=` (a callable "
+        f"(output, zoomem.Batch) -> scalar tensor) to zoomem.wrap or zoomem.plan: a plan made for another loss holds "
+        f"other tensors in backward, and can peak far above its prediction and the budget."
+    )
 
 
 class Adapter:

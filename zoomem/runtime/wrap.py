@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters import Adapter, Unit, get_adapter
+from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning
 from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import BackwardWindow, ForwardWindow, measure_forward_excess, measure_timeline, meter_busy
@@ -199,10 +200,10 @@ class _Handle:
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
             return cached
         with self.planning_scope():
-            new = from_rank0(lambda: _make(self.model, batch, self.budget, self.strategy, self.adapter,
-                                           self.optimizer, self.loss_fn, self.time_limit, compress=self.compress,
-                                           level=self.level, trace_batch_size=self.trace_batch_size),
-                             _encode_plan, _decode_plan)
+            new = from_rank0(lambda: _seeing_the_loss(lambda: _make(
+                self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
+                self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size)),
+                _encode_plan, _decode_plan)
         new.signature = repr(sig[0])
         self.plans[sig] = new
         if "_planning" in new.extras:
@@ -1000,9 +1001,23 @@ def plan(
     handle: _Handle | None = model.__dict__.get(_ATTR)
     with handle.planning_scope() if handle is not None else contextlib.nullcontext(), \
             _skipping_logits(model, skip_logits):
-        new = _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit, compress=options,
-                    level=lvl, trace_batch_size=trace_batch_size)
+        new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit,
+                                             compress=options, level=lvl, trace_batch_size=trace_batch_size))
     new.extras.pop("_planning", None)
+    return new
+
+
+def _seeing_the_loss(make: Callable[[], Plan]) -> Plan:
+    """``make()``, with a warning where its trace took the mean of large outputs as the loss
+    (:func:`~zoomem.adapters.base.mean_loss_warning`)."""
+    token = MEAN_LOSS_BYTES.set(0)
+    try:
+        new = make()
+        message = mean_loss_warning(MEAN_LOSS_BYTES.get(), new.baseline_peak_bytes) if MEAN_LOSS_BYTES.get() else None
+    finally:
+        MEAN_LOSS_BYTES.reset(token)
+    if message is not None:
+        warnings.warn(message, stacklevel=3)
     return new
 
 
