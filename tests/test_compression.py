@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -740,8 +740,8 @@ def _rank_main(rank: int, port: int, out: "torch.multiprocessing.SimpleQueue") -
         dist.destroy_process_group()
 
 
-def test_data_parallel_ranks_share_sensitivities() -> None:
-    """Every rank gets the mean of the ranks' sensitivities, so all ranks allocate the same bits."""
+def _two_ranks(target: Callable[..., None]) -> dict[int, Any]:
+    """``target(rank, port, queue)`` in two spawned gloo processes; what each put on the queue, by rank."""
     import socket
 
     import torch.multiprocessing as mp
@@ -751,13 +751,46 @@ def test_data_parallel_ranks_share_sensitivities() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
-    results = dict(queue.get() for _ in range(2))
+        p.join(300)
+    return dict(queue.get() for _ in range(2))
+
+
+def test_data_parallel_ranks_share_sensitivities() -> None:
+    """Every rank gets the mean of the ranks' sensitivities, so all ranks allocate the same bits."""
+    results = _two_ranks(_rank_main)
     assert results[0] == results[1] == {"a#0": 1.5, "b#1": 5.0}
+
+
+def _rank_refresh(rank: int, port: int, out: "torch.multiprocessing.SimpleQueue") -> None:  # type: ignore[name-defined]
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, adapter, _ = small("hf/gpt2", seed=0, batch_size=8)
+        _, _, batch = small("hf/gpt2", seed=rank, batch_size=8)  # each rank its own data, shaped alike
+        model.train()
+        zoomem.wrap(model, level="L2")
+        for _ in range(2):  # plans, then measures sensitivities again
+            _grads(model, adapter, batch)
+        handle = model.__dict__["_zoomem"]
+        ((plan,), (ctx,)) = handle.plans.values(), handle.planning.values()
+        out.put((rank, (ctx.probe_scale, plan.bits)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_refresh_on_the_same_sub_batches() -> None:
+    """Choosing smaller batches for refreshes runs collectives (the measured peaks, averaged; the half-batch
+    measurement's sensitivities): every rank takes part alike, picks the same sizes and, after the refresh, the
+    same bits."""
+    results = _two_ranks(_rank_refresh)
+    assert results[0][0] is not None and results[0][0].large < 8, results
+    assert results[0] == results[1]
 
 
 def test_adaptive_l2_never_stores_one_bit_but_l22_may() -> None:
