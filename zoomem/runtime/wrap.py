@@ -166,8 +166,7 @@ class _Handle:
         return self.generators[key]
 
     def device(self) -> torch.device:
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return _model_device(self.model)
 
     def active_for(self, plan: Plan) -> _Active:
         return _Active.of(plan, self.generator(self.device()) if plan.bits else None)
@@ -248,6 +247,11 @@ class _Handle:
         _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 EARLY_REFRESHES = (1, 4, 16, 64)
@@ -440,7 +444,7 @@ def _make(
                 costs.fixed_bytes, "the budget" if budget_bytes is not None else "plain PyTorch's step",
                 lambda n: _probe(handle, adapter.sub_batch(batch, n), adapter, loss_fn, units, chosen_units, model,
                                  chosen, peaks))
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = _model_device(model)
         widths = (compress or CompressOptions()).bits
         costs.attach_saved(infos, grad_sq, {b: seconds_per_byte(device, b) for b in widths},
                            fused=use_triton(torch.empty(0, device=device), GROUP_SIZE),
@@ -707,7 +711,7 @@ def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
     n = batch.batch_size()
     if peaks is None or n is None or meter_busy():
         return run()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _model_device(model)
     with MemoryMeter(device=device) as meter:
         out = run()
     peaks.append((n, meter.report.peak_delta_bytes))
