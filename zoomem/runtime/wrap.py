@@ -440,8 +440,7 @@ def _make(
             lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen, peaks))
         if handle is not None:  # a wrapped model refreshes them
             probe_scale = _refresh_scale(
-                batch, adapter, probe_scale, peaks, budget_bytes if budget_bytes is not None else baseline,
-                costs.fixed_bytes, "the budget" if budget_bytes is not None else "plain PyTorch's step",
+                batch, adapter, probe_scale, peaks, budget_bytes, baseline, costs.fixed_bytes,
                 lambda n: _probe(handle, adapter.sub_batch(batch, n), adapter, loss_fn, units, chosen_units, model,
                                  chosen, peaks))
         device = _model_device(model)
@@ -733,12 +732,12 @@ def _probe_at(handle: "_Handle | None", batch: Batch, adapter: Adapter,
     return scale_saved(small, large, grad_sq, scale)
 
 
-def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: list[tuple[int, int]], limit: int,
-                   fixed: int, limit_name: str, probe: Callable[[int], object]) -> Scale | None:
-    """The sizes refreshes measure sensitivities at, so that they peak within ``limit`` bytes (the budget, else
-    plain PyTorch's step): ``scale`` (what planning ran), or smaller sub-batches where the measurement's
-    ``peaks`` (:func:`_probe`'s, averaged over ranks so all choose alike) say it would peak above ``limit`` on top
-    of the ``fixed`` bytes (parameters, optimizer state, batch). With one size measured, ``probe(samples)`` measures
+def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: list[tuple[int, int]],
+                   budget: int | None, baseline: int, fixed: int, probe: Callable[[int], object]) -> Scale | None:
+    """The sizes refreshes measure sensitivities at, so that they peak within the ``budget`` (else ``baseline``,
+    plain PyTorch's predicted step): ``scale`` (what planning ran), or smaller sub-batches where the measurement's
+    ``peaks`` (:func:`_probe`'s, averaged over ranks so all choose alike) say it would peak above that on top of
+    the ``fixed`` bytes (parameters, optimizer state, batch). With one size measured, ``probe(samples)`` measures
     half of it: the second point of the line through which its peak grows with the batch.
 
     Why: the measurement holds every activation and the second-order backward's own, 1.3x plain PyTorch's step on
@@ -748,6 +747,7 @@ def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: l
     n = batch.batch_size()
     if n is None or not peaks or not _can_cut(adapter, batch):
         return scale
+    limit, limit_name = (budget, "the budget") if budget is not None else (baseline, "plain PyTorch's step")
     mean = all_reduce_mean({f"{i}:{s}": float(p) for i, (s, p) in enumerate(peaks)})
     peaks[:] = [(s, int(mean[f"{i}:{s}"])) for i, (s, _) in enumerate(peaks)]  # probe() adds to this list
     largest = max(peaks)
@@ -763,8 +763,6 @@ def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: l
             _log_rank0("zoomem: measuring sensitivities at %d samples peaks above %s, and on %d samples failed (%s): "
                        "refreshes measure at %d", largest[0], limit_name, largest[0] // 2, exc_text(exc), largest[0])
             return scale
-        if len({s for s, _ in peaks}) < 2:  # not metered
-            return scale
         mean = all_reduce_mean({"peak": float(peaks[-1][1])})
         peaks[-1] = (peaks[-1][0], int(mean["peak"]))
     sizes, peak = sizes_within(n, peaks, limit - fixed, cap=scale)
@@ -772,7 +770,7 @@ def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: l
     values = (largest[0], (fixed + largest[1]) / _MIB, limit_name, limit / _MIB)
     if fixed + peak > limit:  # where a budget is broken, a warning
         _log_rank0("zoomem: " + above + ", and on 3 samples it would still be above: refreshes measure at %d "
-                   "samples", *values, largest[0], level=logging.WARNING if limit_name == "the budget" else logging.INFO)
+                   "samples", *values, largest[0], level=logging.WARNING if budget is not None else logging.INFO)
     elif sizes != scale:
         _log_rank0("zoomem: " + above + "; refreshes measure them on %d and %d samples (%.1f MiB) and scale them "
                    "to the batch of %d", *values, sizes.small, sizes.large, (fixed + peak) / _MIB, n)
