@@ -662,9 +662,12 @@ def test_new_shapes_plan_again_and_sensitivities_refresh(caplog: pytest.LogCaptu
 
 
 def _refresh_step(model_id: str, caplog: pytest.LogCaptureFixture, **wrap: Any):  # type: ignore[no-untyped-def]
-    """Plan ``model_id`` (small layout, batch 8), then meter step 1, which measures sensitivities again."""
+    """Plan ``model_id`` (small layout, batch 8), then meter step 1, which measures sensitivities again; then the
+    worst squared gradient error of steps 2 and 3 under the refreshed plan, relative to plain PyTorch's, beside that
+    plan's predicted variance."""
     model, adapter, batch = small(model_id, seed=0, batch_size=8)
     model.train()
+    ref = _grads(model, adapter, batch)
     zoomem.wrap(model, **wrap)
     with caplog.at_level(logging.INFO, logger="zoomem"):
         _grads(model, adapter, batch)  # plans: measures sensitivities at 8, and at 4 for their line
@@ -675,7 +678,9 @@ def _refresh_step(model_id: str, caplog: pytest.LogCaptureFixture, **wrap: Any):
     with caplog.at_level(logging.INFO, logger="zoomem"), MemoryMeter(model, batch) as meter:
         adapter.loss(model, batch, batch.call(model)).backward()
     assert "sensitivities re-measured at step 1" in caplog.text
-    return plan, ctx.probe_scale, planning_log, meter.report.peak_bytes
+    worst = max(_sq([a - b for a, b in zip(_grads(model, adapter, batch), ref)]) for _ in range(2)) / _sq(ref)
+    (refreshed,) = handle.plans.values()
+    return plan, ctx.probe_scale, planning_log, meter.report.peak_bytes, (worst, refreshed.variance)
 
 
 @pytest.mark.parametrize("wrap", [{"level": "L2"}, {"budget": "80%", "compress": "auto"}], ids=["L2", "budget"])
@@ -683,18 +688,19 @@ def test_refreshes_measure_within_the_budget(wrap: dict[str, str], caplog: pytes
     """The sensitivity measurement holds every activation and a second-order backward's own: at the batch it
     peaks above plain PyTorch's step, so refreshes measure on smaller batches, chosen from the measurement's peaks
     at two sizes, and the refresh step stays within the budget (plain PyTorch's step where there is none)."""
-    plan, scale, log, peak = _refresh_step("hf/gpt2", caplog, **wrap)
+    plan, scale, log, peak, (worst, variance) = _refresh_step("hf/gpt2", caplog, **wrap)
     limit = plan.budget_bytes or plan.baseline_peak_bytes
     assert scale is not None and scale.target == 8 and scale.large < 8, scale
     assert f"refreshes measure them on {scale.small} and {scale.large} samples" in log
     assert peak <= limit * 1.02, (peak / 2**20, limit / 2**20)
+    assert worst <= 3 * variance + 1e-6, (worst, variance)  # bits from sub-batches: the noise they predict
 
 
 def test_refreshes_that_cannot_fit_say_so(caplog: pytest.LogCaptureFixture) -> None:
     """ResNet-18's small layout: the second-order backward's parameter-sized tensors alone take more than plain
     PyTorch's step holds, so no smaller batch keeps within it, and refreshes measure at the batch, as planning
     did (fewer samples would measure worse for little less memory)."""
-    plan, scale, log, peak = _refresh_step("timm/resnet18", caplog, level="L2")
+    plan, scale, log, peak, _ = _refresh_step("timm/resnet18", caplog, level="L2")
     assert scale is None
     assert "and on 3 samples it would still be above: refreshes measure at 8 samples" in log
     assert peak > plan.baseline_peak_bytes
