@@ -8,7 +8,8 @@ peak, lossless or ``compress="auto"``). The model is wrapped once (``level="L2"`
 cost model (a segment's forward peak, backward peak, and the bytes live where its backward starts; where the code
 after a unit saves tensors, as timm's DenseNet transitions do, that code's backward peak apart, ``after``) is
 printed beside the measured one. Points are bytes above the step's start (parameters, optimizer state and batch
-apart).
+apart). The head line's peaks are the forward's and backward's; the optimizer's step, which a plan's peak also
+counts, is not run here and is printed as predicted.
 
 Where the step has no stretch for a point, or one stretch measures two, ``zoomem.runtime.wrap.plan_points`` folds
 the predictions into the measured stretch's, the larger of them: a recomputed unit's backward point measures its
@@ -68,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         measured = [got for _, _, got in points if got is not None]
         recomputed = sum(u.decision != Decision.KEEP for u in plan.units)
         compact = sum(u.compact for u in plan.units) + int(plan.outside_compact)
-        print(f"== {name}: predicted peak {plan.predicted_peak_bytes / MIB:.1f} MiB, measured "
+        # the points are the forward's and backward's; the optimizer's step (in the plan's peak) is not run here
+        predicted = costs.fixed_bytes + max(value for _, value, _ in points)
+        print(f"== {name}: predicted peak {predicted / MIB:.1f} MiB, measured "
               f"{(costs.fixed_bytes + max(measured)) / MIB:.1f}; {len(plan.bits)} tensors lossy, "
-              f"{recomputed} of {len(plan.units)} units recomputed, {compact} compact switches on")
+              f"{recomputed} of {len(plan.units)} units recomputed, {compact} compact switches on; the optimizer's "
+              f"step {(costs.fixed_bytes + costs.optimizer_bytes) / MIB:.1f} MiB, predicted")
         print(f"   {'point':14s} {'plain':>9s} {'predicted':>10s} {'measured':>9s} {'error':>8s}  (MiB)")
         for p, value, got in points:
             err = f"{(value - got) / MIB:+8.1f}" if got is not None else "     n/a"

@@ -102,6 +102,15 @@ class CostModel:
     transient: dict[int, int]
     saved_bytes: dict[str, int]
     step_s: float
+    optimizer_bytes: int = 0
+    """Bytes above the fixed ones while the optimizer steps: what the backward leaves (the gradients, and the output
+    and loss the loop still holds) plus the step's own scratch (:func:`zoomem.optimizer.step_bytes`). The same for
+    every plan but for :attr:`optimizer_gain`; 0 where no optimizer was given."""
+    optimizer_scratch: int = 0
+    """The step's own scratch, part of :attr:`optimizer_bytes`."""
+    optimizer_gain: int = 0
+    """What the compact forms outside the units take off what the backward leaves: a fused LM-head loss that skips
+    the logits leaves the loop no logits to hold (:meth:`optimizer_step`)."""
     compact_saving: dict[str, CompactSaving] = field(default_factory=dict)
     """Per unit with compact implementations: bytes they take off, measured plain with and without them."""
     compact_s: dict[str, float] = field(default_factory=dict)
@@ -744,15 +753,21 @@ class CostModel:
     def peak(
         self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset(), bits: dict[str, int] | None = None
     ) -> int:
-        """Predicted forward+backward peak (fixed bytes included) of a set of unit decisions.
+        """Predicted peak of a training step (fixed bytes included) under a set of unit decisions: its forward and
+        backward, and the optimizer's step (:attr:`optimizer_bytes`).
 
         Every memory point is its measured bytes, plus ``coefficients`` times (held - held in plain PyTorch), plus
         the recompute transient of recomputed units, minus the gains of compact units; evaluated as matrix
         products because greedy calls it thousands of times on 50-unit models.
         """
         if not self.points:
-            return self.fixed_bytes
-        return self.fixed_bytes + int(round(self.point_bytes(decisions, compact, bits).max()))
+            return self.fixed_bytes + self.optimizer_step(compact)
+        return self.fixed_bytes + max(int(round(self.point_bytes(decisions, compact, bits).max())),
+                                      self.optimizer_step(compact))
+
+    def optimizer_step(self, compact: frozenset[str] = frozenset()) -> int:
+        """Bytes above the fixed ones while the optimizer steps, under a plan whose compact forms are ``compact``."""
+        return self.optimizer_bytes - (self.optimizer_gain if OUTSIDE_UNITS in compact and self.outside_gain else 0)
 
     def point_bytes(
         self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset(), bits: dict[str, int] | None = None

@@ -70,7 +70,8 @@ class Plan:
         units: per-unit decisions, in forward order.
         budget_bytes: the budget the plan was made for (None: no budget).
         fixed_bytes: bytes that exist before the step (parameters, buffers, batch, optimizer state).
-        predicted_peak_bytes: the peak of forward+backward the plan predicts (fixed bytes included).
+        predicted_peak_bytes: the peak of the training step the plan predicts (fixed bytes included): forward,
+            backward and, where planning knew the optimizer, its step.
         baseline_peak_bytes: the same prediction for plain PyTorch.
         recompute_s: predicted extra seconds per step of recomputation and compact forms (negative where the
             forms run faster than the stock ops).
@@ -85,6 +86,8 @@ class Plan:
         compress_s: predicted seconds per step of storing tensors lossily (quantizing and dequantizing them).
         compress_scale: what storing lossily measured in the model's own step over the quantizer probes' price
             (1: not measured); ``compress_s`` includes it.
+        optimizer_bytes: bytes above the fixed ones while the optimizer steps (the gradients, the output the
+            loop holds, the step's scratch), the same under every plan; 0 where planning had no optimizer.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
         traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
             extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.
@@ -110,6 +113,7 @@ class Plan:
     variance: float = 0.0
     compress_s: float = 0.0
     compress_scale: float = 1.0
+    optimizer_bytes: int = 0
     saved: list[dict[str, Any]] = field(default_factory=list)
     traced_at: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
@@ -169,6 +173,10 @@ class Plan:
         lines.append("-" * len(head))
         if self.outside_compact:
             lines.append("modules outside the units: compact")
+        if self.optimizer_bytes:
+            step = self.fixed_bytes + self.optimizer_bytes
+            lines.append(f"optimizer step {step / _MIB:.1f} MiB (gradients, held output, its scratch)"
+                         + ("; the step's peak" if step >= self.predicted_peak_bytes else ""))
         if self.traced_at:
             small, large, n = self.traced_at
             lines.append(f"costs traced at batches of {small} and {large} samples and extrapolated to {n}")

@@ -137,6 +137,8 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
     return dataclasses.replace(
         large,
         fixed_bytes=by(small.fixed_bytes, large.fixed_bytes),
+        optimizer_bytes=by(small.optimizer_bytes, large.optimizer_bytes),
+        optimizer_gain=by(small.optimizer_gain, large.optimizer_gain),
         storages=storages,
         points=points,
         recompute_s=times(small.recompute_s, large.recompute_s),

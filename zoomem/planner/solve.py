@@ -390,6 +390,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= gain[p.phase, p.seg]
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
         prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
+    if model.optimizer_bytes:  # the optimizer's step: what the backward leaves, less with the outside forms on
+        step = model.optimizer_bytes - (model.optimizer_gain * switch if model.outside_gain else 0)
+        prob += step * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     seconds = {(u, d, on): model.recompute_time({u: d}) + (model.compact_s.get(u, 0.0) if on else 0.0)
                for u, d, on in x}
     # a compact form that runs faster than the stock op is a credit: every mode of its unit is charged that much
@@ -495,7 +498,7 @@ def make_plan(
     model: CostModel, budget: int | None, strategy: str = "ilp", time_limit: float = 10.0,
     margin: float = SAFETY_MARGIN, compress: CompressOptions | None = None, faster_forms: bool = True,
 ) -> Plan:
-    """Plan under ``budget`` bytes (whole forward+backward peak, fixed bytes included).
+    """Plan under ``budget`` bytes (the whole step's peak, fixed bytes included).
 
     ``compress`` (ILP only) lets the program store saved tensors lossily (:meth:`CostModel.attach_saved`).
 
@@ -528,7 +531,10 @@ def make_plan(
     choice: Choice | None
     if compress is not None and strategy != "ilp":
         raise ValueError(f"Compression under a budget is planned by the ILP; strategy {strategy!r} cannot plan it.")
-    if strategy == "ilp":
+    least_step = min(model.optimizer_step(frozenset()), model.optimizer_step(frozenset({OUTSIDE_UNITS})))
+    if target is not None and model.fixed_bytes + least_step > target:
+        choice = None  # the optimizer's step alone is above it, whatever the plan
+    elif strategy == "ilp":
         choice, info = _decisions_ilp(model, target, time_limit, compress, deadline=t0 + time_limit)
         if faster_within is not None:
             faster, faster_info = _decisions_ilp(model, faster_within, time_limit, compress,
@@ -563,8 +569,11 @@ def make_plan(
         raise InfeasibleBudgetError(
             f"No {strategy} plan keeps this step within {budget / _MIB:.1f} MiB ({budget} bytes): the smallest "
             f"feasible budget is {smallest / _MIB:.1f} MiB ({smallest} bytes; plain PyTorch needs "
-            f"{baseline / _MIB:.1f} MiB, of which {model.fixed_bytes / _MIB:.1f} MiB are parameters, buffers and "
-            "the batch). Raise the budget to at least that, or lower the batch size.",
+            f"{baseline / _MIB:.1f} MiB, of which {model.fixed_bytes / _MIB:.1f} MiB are parameters, buffers, the "
+            "batch and the optimizer's state"
+            + (f"; its step needs {(model.fixed_bytes + least_step) / _MIB:.1f} MiB, the gradients, the output "
+               f"and {model.optimizer_scratch / _MIB:.1f} MiB of its own scratch included" if least_step else "")
+            + "). Raise the budget to at least that, or lower the batch size.",
             smallest,
         )
     assert peak is not None and choice is not None
@@ -597,6 +606,7 @@ def make_plan(
         variance=model.relative_variance(bits),
         compress_s=model.compress_time(bits),
         compress_scale=model.compress_scale,
+        optimizer_bytes=model.optimizer_step(frozenset(compact)),
         saved=[s.to_dict() for s in model.saved],
         step_s=model.step_s,
         solver=info.get("solver", ""),

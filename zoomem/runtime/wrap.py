@@ -28,7 +28,9 @@ from ..batch import Batch
 from ..graph import OpGraph, trace
 from ..graph.timeline import BackwardWindow, ForwardWindow, measure_forward_excess, measure_timeline, meter_busy
 from ..benchtools import exc_text
-from ..measure import MemoryMeter, holder_bytes, is_out_of_memory
+from ..measure import MemoryMeter, is_out_of_memory
+from ..optimizer import state_bytes as optimizer_state_bytes
+from ..optimizer import step_bytes as optimizer_step_bytes
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte, seconds_per_call
 from ..compress.triton_kernels import use_triton
 from ..planner.costs import _points
@@ -293,21 +295,6 @@ def _log_rank0(msg: str, *args: Any, level: int = logging.INFO) -> None:
         logger.log(level, msg, *args)
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes the optimizer holds across steps (measured when it has state, else Adam's 2x / SGD momentum's 1x)."""
-    if optimizer is None:
-        return 0
-    if optimizer.state:
-        return holder_bytes(list(optimizer.state.values()))
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    pbytes = sum(p.numel() * p.element_size() for p in params)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 2 * pbytes
-    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return pbytes
-    return 0
-
-
 def cost_model(
     model: nn.Module,
     batch: Batch,
@@ -375,7 +362,12 @@ def cost_model(
         graph.compact_recompute_gain = _compact_recompute_gain(model, batch, loss, units, adapter,
                                                                {u: chosen[u] for u in early})
     costs.take_rises(graph)
-    costs.fixed_bytes += _optimizer_state_bytes(optimizer)
+    costs.fixed_bytes += optimizer_state_bytes(optimizer)
+    if optimizer is not None and graph.timeline:  # the backward leaves its end; the step allocates on top
+        costs.optimizer_scratch = optimizer_step_bytes(optimizer)
+        costs.optimizer_bytes = graph.timeline[-1].end_bytes + costs.optimizer_scratch
+        if costs.outside_gain:  # (measured: the outside forms' timeline matches the plain one's)
+            costs.optimizer_gain = graph.timeline[-1].end_bytes - graph.timeline_outside[-1].end_bytes
     costs.backward_windows = windows or []
     costs.forward_windows = forward_windows or []
     return costs, chosen, graph
@@ -487,7 +479,7 @@ def _make(
         assert handle is not None
         try:
             least = _least_peak_plan(costs, strategy, time_limit, compress)
-            peak = _measured_peak(handle, least, batch, adapter, loss_fn, units, costs.fixed_bytes)
+            peak = _measured_peak(handle, least, batch, adapter, loss_fn, units, costs)
         except Exception as exc:  # noqa: BLE001 - no better figure: the prediction stands
             if isinstance(exc, InfeasibleBudgetError) or is_out_of_memory(exc):
                 return err
@@ -544,7 +536,7 @@ def _make(
 
     for round_ in range(_VERIFY_ROUNDS + 1):  # the last round only for the least-peak plan
         try:
-            measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs.fixed_bytes)
+            measured = _measured_peak(handle, new, batch, adapter, loss_fn, units, costs)
             oom = False
         except Exception as exc:  # noqa: BLE001 - the device is the judge too: out of memory, the plan does not fit
             if not is_out_of_memory(exc):
@@ -632,6 +624,7 @@ def _level_plan(costs: CostModel, infos: list[SavedInfo], level: Level, chosen_u
     plan.bits, plan.offload, plan.level = bits, level.offload, level.name
     plan.strategy = f"level {level.name}"
     plan.predicted_peak_bytes = costs.peak(keep, chosen_units, bits)
+    plan.optimizer_bytes = costs.optimizer_step(chosen_units)
     plan.variance = costs.relative_variance(bits)
     plan.compress_s = costs.compress_time(bits)
     plan.recompute_s = costs.recompute_time(keep, chosen_units)
@@ -870,10 +863,14 @@ def _measured_timeline(handle: "_Handle", candidate: Plan, batch: Batch, adapter
 
 
 def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
-                   loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], fixed: int) -> int | None:
-    """The forward+backward peak of one real step under ``candidate`` (fixed bytes included)."""
+                   loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit],
+                   costs: CostModel) -> int | None:
+    """The peak of one real step under ``candidate`` (fixed bytes included): its forward and backward as measured,
+    the optimizer's step, the same under every plan, as ``costs`` predicts it (planning cannot step the real one)."""
     timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units)
-    return fixed + max(t.peak_bytes for t in timeline) if timeline else None
+    if not timeline:
+        return None
+    return costs.fixed_bytes + max(max(t.peak_bytes for t in timeline), costs.optimizer_bytes)
 
 
 def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
@@ -969,9 +966,10 @@ def plan(
         model: any model (wrapped or not).
         batch: the step's inputs; ``None`` builds the adapter's example batch (``batch_size``, ``sizes``).
         budget: bytes (int), a string (``"6GiB"``, ``"60%"``) or a fraction (float) of plain PyTorch's peak;
-            the whole forward+backward peak, parameters, gradients, batch and optimizer state included.
+            the whole training step's peak, parameters, gradients, batch and optimizer state included.
         strategy: ``ilp`` (default), or a baseline: ``none``, ``all``, ``sqrt``, ``greedy``.
-        optimizer: its state (or Adam's 2x parameters before its first step) counts in the budget.
+        optimizer: its state (or Adam's 2x parameters before its first step) and its step (gradients, held
+            output, what ``step()`` allocates: :func:`zoomem.optimizer.step_bytes`) count in the budget.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
         time_limit: seconds for solving a plan (warm start, program and LP bound together; the program gets
             at least 1 s). Tracing the step is not counted.
@@ -1055,10 +1053,10 @@ def wrap(
     Args:
         model: a timm, HF transformers, PyG or any ``nn.Module``.
         budget: bytes (int), a string (``"6GiB"``, ``"60%"``) or a fraction (float) of plain PyTorch's peak,
-            for the whole forward+backward peak. ``None`` keeps everything (plain PyTorch).
+            for the whole training step's peak. ``None`` keeps everything (plain PyTorch).
         strategy: ``ilp`` (default) or a baseline (``none``, ``all``, ``sqrt``, ``greedy``).
         adapter: the zoo adapter (or its name) instead of the matching one.
-        optimizer: counts its state in the budget.
+        optimizer: counts its state and its step in the budget.
         loss_fn: ``(output, batch) -> scalar`` used when tracing; by default the adapter's planning loss.
         time_limit: seconds for solving a plan (warm start, program and LP bound together; the program gets
             at least 1 s). Tracing the step is not counted.
