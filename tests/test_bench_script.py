@@ -475,3 +475,19 @@ def test_refresh_memory_script_meters_the_refresh_within_plain_pytorchs_step():
     peaks = [float(line.split("peak ")[1].split(" MiB")[0]) for line in lines if line.startswith("step ")]
     assert len(peaks) == 2 and "(refresh)" in lines[-2] and "(refresh)" not in lines[-1], proc.stdout
     assert peaks[1] < peaks[0] <= plain * 1.02, proc.stdout
+
+
+def test_step_memory_script_meters_the_optimizers_step_as_predicted():
+    """`scripts/step_memory.py` wraps a model with each optimizer named and meters a whole step: on the small GPT-2
+    at L2 the for-loop AdamW's step is the peak, fused AdamW's is lower, and both peaks are as predicted."""
+    cmd = [sys.executable, str(REPO / "scripts" / "step_memory.py"), "hf/gpt2", "--small", "--optimizers", "adamw",
+           "adamw-fused"]
+    proc = run_script(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    rows = {cells[1].strip(): [float(c) for c in cells[2:-1]]
+            for cells in (line.split("|") for line in proc.stdout.splitlines() if line.startswith("| adamw"))}
+    assert set(rows) == {"adamw", "adamw-fused"}, proc.stdout
+    for name, (predicted, step, forward, backward, optimizer, measured, ratio) in rows.items():
+        assert 0.98 <= ratio <= 1.01 and abs(measured / predicted - ratio) < 1e-3, (name, proc.stdout)
+    assert rows["adamw"][4] == rows["adamw"][5] > rows["adamw"][3], proc.stdout  # the optimizer's step, the peak
+    assert rows["adamw-fused"][4] < rows["adamw"][4], proc.stdout
