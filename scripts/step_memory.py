@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=list(OPTIMIZERS))
     args = parser.parse_args(argv)
     how = {"budget": args.budget} if args.budget is not None else {"level": args.level, "sensitivity_interval": 0}
+    if args.budget is not None:
+        print(f"budget {args.budget}")
     print("| optimizer | predicted peak | optimizer's step, predicted | forward | backward | optimizer | measured peak "
           "| measured / predicted |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -51,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         loss_fn = _loss(adapter, model, None)
         optimizer = OPTIMIZERS[name](model.parameters())
         zoomem.wrap(model, optimizer=optimizer, adapter=adapter, **how)
-        loss_fn(batch.call(model), batch).backward()  # step 0 plans (planning measures; it runs outside a meter)
+        try:
+            loss_fn(batch.call(model), batch).backward()  # step 0 plans (planning measures; it runs outside a meter)
+        except zoomem.InfeasibleBudgetError as exc:
+            print(f"| {name} | no plan: the smallest feasible budget is {exc.min_budget / MIB:.1f} MiB |||||||",
+                  flush=True)
+            zoomem.unwrap(model)
+            continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         report = zoomem.measure_step(model, batch, loss_fn, optimizer)
