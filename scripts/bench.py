@@ -363,7 +363,7 @@ class _CostsPlanner:
     """
 
     def __init__(self, model: Any, batch: Any, adapter: Any, loss_fn: Any, optimizer: Any, time_limit: float):
-        from zoomem.optimizer import state_bytes
+        from zoomem.optimizer import footprint
         from zoomem.planner import Decision
         from zoomem.runtime.wrap import cost_model
 
@@ -371,7 +371,7 @@ class _CostsPlanner:
         self.costs, self.chosen, _ = cost_model(model, batch, adapter, None, loss_fn)
         self.trace_s = time.perf_counter() - t0
         # the optimizer's state, not its step: the curves are of forward+backward peaks, as the issue's targets
-        self.costs.fixed_bytes += state_bytes(optimizer)
+        self.costs.fixed_bytes += footprint(optimizer).state
         self.baseline = self.costs.peak({u: Decision.KEEP for u in self.costs.units})
         self.time_limit = time_limit
         self.min_budget: int | None = None

@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 
 import zoomem
 from zoomem import zoo
-from zoomem.measure import measure_step
-from zoomem.optimizer import state_bytes, step_bytes, unwrapped
+from zoomem.measure import holder_bytes, measure_step
+from zoomem.optimizer import footprint, unwrapped
 
 
 def _mlp() -> nn.Module:
@@ -46,18 +46,21 @@ _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 @pytest.mark.parametrize("name", list(_OPTIMIZERS))
-def test_step_bytes_match_a_metered_step(name: str) -> None:
-    """What stepping a copy on fake tensors counts is what a real step allocates, to the step counters' bytes."""
+def test_footprint_matches_a_metered_step(name: str) -> None:
+    """What stepping a copy on fake tensors counts is what a real step allocates, to the step counters' bytes, and
+    the state it makes is the real one's, to the byte."""
     model = _mlp()
     optimizer = _OPTIMIZERS[name](model.parameters())
     before = pytree.tree_leaves(copy.deepcopy((optimizer.state_dict(), model.state_dict())))
-    predicted = step_bytes(optimizer)
+    predicted_state, predicted = footprint(optimizer).state, footprint(optimizer).scratch
     after = pytree.tree_leaves((optimizer.state_dict(), model.state_dict()))  # Adagrad has state already
     assert len(after) == len(before) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(after, before)), (
         "measuring touched the real optimizer or model")
     metered = _metered_step(model, optimizer)
     assert abs(predicted - metered) <= 1024, f"{name}: predicted {predicted}, metered {metered}"
+    state = holder_bytes(list(optimizer.state.values()))  # before the first step: the stand-in's (RMSprop's 1x)
+    assert predicted_state == state == footprint(optimizer).state, (name, predicted_state, state)
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     expected = {"adamw": 2 * largest, "adamw-foreach": total, "adamw-fused": 0, "sgd-momentum": 0}  # README's figures
@@ -68,7 +71,7 @@ def test_step_bytes_match_a_metered_step(name: str) -> None:
 def test_an_optimizer_that_cannot_step_alone_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     optimizer = torch.optim.LBFGS(_mlp().parameters())  # its step needs a closure
     with caplog.at_level(logging.WARNING, logger="zoomem"):
-        assert step_bytes(optimizer) == 0
+        assert footprint(optimizer).scratch == 0
     assert "could not step a stand-in of LBFGS" in caplog.text
 
 
@@ -80,8 +83,9 @@ def test_wrapped_optimizers_are_seen_through() -> None:
     model = _mlp()
     inner = torch.optim.AdamW(model.parameters(), foreach=False)
     assert unwrapped(Wrapper(inner)) is inner
-    assert state_bytes(Wrapper(inner)) == 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    assert step_bytes(Wrapper(inner)) == step_bytes(inner) > 0
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert footprint(Wrapper(inner)) == footprint(inner)
+    assert footprint(inner).state == 2 * params + 4 * len(list(model.parameters())) and footprint(inner).scratch > 0
 
 
 def _wrapped_gpt2(**how: Any) -> tuple[nn.Module, Any, zoomem.Batch, torch.optim.Optimizer]:

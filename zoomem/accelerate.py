@@ -196,8 +196,6 @@ def prepare(
     check_distributed_type(accelerator)
     if "optimizer" not in wrap_kwargs:
         wrap_kwargs["optimizer"] = next((o for o in others if isinstance(o, torch.optim.Optimizer)), None)
-    # an AcceleratedOptimizer holds the real one: zoomem sizes Adam's state by the optimizer's type
-    wrap_kwargs["optimizer"] = getattr(wrap_kwargs["optimizer"], "optimizer", wrap_kwargs["optimizer"])
     prepared = accelerator.prepare(model, *others)
     bare = _bare(prepared[0] if others else prepared)
     if wrap_kwargs.get("batch") is not None:

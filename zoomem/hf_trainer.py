@@ -93,7 +93,7 @@ class ZoomemCallback(TrainerCallback):
         bare = _bare(model)
         kw = dict(self.wrap_kwargs)
         if "optimizer" not in kw and optimizer is not None:
-            kw["optimizer"] = getattr(optimizer, "optimizer", optimizer)  # inside an AcceleratedOptimizer
+            kw["optimizer"] = optimizer  # (an AcceleratedOptimizer: zoomem.optimizer sees through it)
         wrap(bare, self.budget, level=self.level, compress=self.compress, **kw)
         self._model, self.plans, self._logged = bare, [], []
 

@@ -104,7 +104,7 @@ class CostModel:
     step_s: float
     optimizer_bytes: int = 0
     """Bytes above the fixed ones while the optimizer steps: what the backward leaves (the gradients, and the output
-    and loss the loop still holds) plus the step's own scratch (:func:`zoomem.optimizer.step_bytes`). The same for
+    and loss the loop still holds) plus the step's own scratch (:func:`zoomem.optimizer.footprint`). The same for
     every plan but for :attr:`optimizer_gain`; 0 where no optimizer was given."""
     optimizer_scratch: int = 0
     """The step's own scratch, part of :attr:`optimizer_bytes`."""

@@ -86,8 +86,8 @@ class Plan:
         compress_s: predicted seconds per step of storing tensors lossily (quantizing and dequantizing them).
         compress_scale: what storing lossily measured in the model's own step over the quantizer probes' price
             (1: not measured); ``compress_s`` includes it.
-        optimizer_bytes: bytes above the fixed ones while the optimizer steps (the gradients, the output the
-            loop holds, the step's scratch), the same under every plan; 0 where planning had no optimizer.
+        optimizer_bytes: bytes above the fixed ones while the optimizer steps under this plan (the gradients,
+            the output the loop holds, the step's scratch); 0 where planning had no optimizer.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
         traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
             extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.

@@ -29,8 +29,7 @@ from ..graph import OpGraph, trace
 from ..graph.timeline import BackwardWindow, ForwardWindow, measure_forward_excess, measure_timeline, meter_busy
 from ..benchtools import exc_text
 from ..measure import MemoryMeter, is_out_of_memory
-from ..optimizer import state_bytes as optimizer_state_bytes
-from ..optimizer import step_bytes as optimizer_step_bytes
+from ..optimizer import footprint
 from ..compress.quantize import GROUP_SIZE, seconds_per_byte, seconds_per_call
 from ..compress.triton_kernels import use_triton
 from ..planner.costs import _points
@@ -362,9 +361,10 @@ def cost_model(
         graph.compact_recompute_gain = _compact_recompute_gain(model, batch, loss, units, adapter,
                                                                {u: chosen[u] for u in early})
     costs.take_rises(graph)
-    costs.fixed_bytes += optimizer_state_bytes(optimizer)
+    used = footprint(optimizer)
+    costs.fixed_bytes += used.state
     if optimizer is not None and graph.timeline:  # the backward leaves its end; the step allocates on top
-        costs.optimizer_scratch = optimizer_step_bytes(optimizer)
+        costs.optimizer_scratch = used.scratch
         costs.optimizer_bytes = graph.timeline[-1].end_bytes + costs.optimizer_scratch
         if costs.outside_gain:  # (measured: the outside forms' timeline matches the plain one's)
             costs.optimizer_gain = graph.timeline[-1].end_bytes - graph.timeline_outside[-1].end_bytes
@@ -969,7 +969,7 @@ def plan(
             the whole training step's peak, parameters, gradients, batch and optimizer state included.
         strategy: ``ilp`` (default), or a baseline: ``none``, ``all``, ``sqrt``, ``greedy``.
         optimizer: its state (or Adam's 2x parameters before its first step) and its step (gradients, held
-            output, what ``step()`` allocates: :func:`zoomem.optimizer.step_bytes`) count in the budget.
+            output, what ``step()`` allocates: :func:`zoomem.optimizer.footprint`) count in the budget.
         loss_fn: ``(output, batch) -> scalar``; by default the adapter's planning loss.
         time_limit: seconds for solving a plan (warm start, program and LP bound together; the program gets
             at least 1 s). Tracing the step is not counted.
