@@ -130,3 +130,10 @@ def test_a_budget_below_the_optimizers_step_is_refused_and_the_one_named_holds_t
     report = measure_step(model, batch, lambda out, b: adapter.loss(model, b, out), optimizer)
     assert report.peak_bytes <= err.value.min_budget, f"{report.peak_bytes} over {err.value.min_budget}"
     zoomem.unwrap(model)
+    # where the step would fit without the optimizer's scratch, the error says which optimizers allocate none
+    step, scratch = plan.fixed_bytes + plan.optimizer_bytes, footprint(optimizer).scratch
+    with pytest.raises(zoomem.InfeasibleBudgetError, match="fused=True"):
+        _wrapped_gpt2(budget=step - scratch // 2)
+    with pytest.raises(zoomem.InfeasibleBudgetError) as below:
+        _wrapped_gpt2(budget=step - 2 * scratch)
+    assert "its step needs" in str(below.value) and "fused=True" not in str(below.value)

@@ -573,6 +573,9 @@ def make_plan(
             "batch and the optimizer's state"
             + (f"; its step needs {(model.fixed_bytes + least_step) / _MIB:.1f} MiB, the gradients, the output "
                f"and {model.optimizer_scratch / _MIB:.1f} MiB of its own scratch included" if least_step else "")
+            + ("; a fused optimizer (`fused=True` where it has one) allocates no scratch"
+               if model.fixed_bytes + least_step - model.optimizer_scratch <= target < model.fixed_bytes + least_step
+               else "")
             + "). Raise the budget to at least that, or lower the batch size.",
             smallest,
         )
