@@ -119,17 +119,25 @@ def test_a_plan_predicts_the_optimizers_step_where_it_is_the_peak(skip_logits: b
     zoomem.unwrap(model)
 
 
-def test_a_budget_below_the_optimizers_step_is_refused_and_the_one_named_holds_the_whole_step() -> None:
-    """90% of plain PyTorch's step is below AdamW's step on small GPT-2, whatever the plan: the error says so and
-    names the smallest budget, under which the metered step, the optimizer's included, stays."""
+@pytest.mark.parametrize("skip_logits", [False, True], ids=["logits", "skip_logits"])
+def test_a_budget_below_the_optimizers_step_is_refused_and_the_one_named_holds_the_whole_step(
+        skip_logits: bool) -> None:
+    """90% of plain PyTorch's step (80% with ``skip_logits``, whose step holds no logits) is below AdamW's step on
+    small GPT-2, whatever the plan: the error says so and names the smallest budget, under which the metered step,
+    the optimizer's included, stays, and which the plan measured in verification (with ``skip_logits``, the
+    logits its step does not hold not counted there either)."""
     with pytest.raises(zoomem.InfeasibleBudgetError, match="its step needs") as err:
-        _wrapped_gpt2(budget="90%")
-    model, adapter, batch, optimizer = _wrapped_gpt2(budget=err.value.min_budget)
+        _wrapped_gpt2(budget="80%" if skip_logits else "90%", skip_logits=skip_logits)
+    model, adapter, batch, optimizer = _wrapped_gpt2(budget=err.value.min_budget, skip_logits=skip_logits)
     plan = _plan(model)
     assert err.value.min_budget >= plan.fixed_bytes + plan.optimizer_bytes
+    assert plan.extras["measured_peak_bytes"] <= err.value.min_budget, plan.extras
     report = measure_step(model, batch, lambda out, b: adapter.loss(model, b, out), optimizer)
     assert report.peak_bytes <= err.value.min_budget, f"{report.peak_bytes} over {err.value.min_budget}"
+    assert abs(report.peak_bytes - plan.predicted_peak_bytes) <= 0.01 * report.peak_bytes
     zoomem.unwrap(model)
+    if skip_logits:
+        return
     # where the step would fit without the optimizer's scratch, the error says which optimizers allocate none
     step, scratch = plan.fixed_bytes + plan.optimizer_bytes, footprint(optimizer).scratch
     with pytest.raises(zoomem.InfeasibleBudgetError, match="fused=True"):

@@ -866,11 +866,12 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
                    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit],
                    costs: CostModel) -> int | None:
     """The peak of one real step under ``candidate`` (fixed bytes included): its forward and backward as measured,
-    the optimizer's step, the same under every plan, as ``costs`` predicts it (planning cannot step the real one)."""
+    the optimizer's step as ``costs`` predicts it under ``candidate``'s forms (planning cannot step the real one)."""
     timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units)
     if not timeline:
         return None
-    return costs.fixed_bytes + max(max(t.peak_bytes for t in timeline), costs.optimizer_bytes)
+    return costs.fixed_bytes + max(max(t.peak_bytes for t in timeline),
+                                   costs.optimizer_step(_Active.of(candidate).compact))
 
 
 def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
