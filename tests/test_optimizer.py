@@ -3,6 +3,7 @@ metered real step, and plans whose budget bounds the whole step, the optimizer's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any, Callable
@@ -145,3 +146,31 @@ def test_a_budget_below_the_optimizers_step_is_refused_and_the_one_named_holds_t
     with pytest.raises(zoomem.InfeasibleBudgetError) as below:
         _wrapped_gpt2(budget=step - 2 * scratch)
     assert "its step needs" in str(below.value) and "fused=True" not in str(below.value)
+
+
+def test_later_micro_batches_of_gradient_accumulation_are_planned_with_the_gradients_held() -> None:
+    """Under gradient accumulation every micro-batch after the first starts with the gradients present: small
+    ResNet-18's step then measures 16 MiB more than the first micro-batch's plan predicts. Such a step gets a plan
+    of its own, measured with the gradients present, that predicts it. Inside a meter (nothing can measure a new
+    plan there), it runs the first micro-batch's plan."""
+    model, adapter, batch = zoo.small("timm/resnet18")
+    zoomem.wrap(model, adapter=adapter)
+
+    def micro_batch(metered: bool = False) -> int:
+        with zoomem.MemoryMeter(model, batch) if metered else contextlib.nullcontext() as meter:
+            adapter.loss(model, batch, batch.call(model)).backward()
+        return meter.report.peak_bytes if metered else 0
+
+    micro_batch()  # plans the first micro-batch
+    first_meter = micro_batch(metered=True)  # with the gradients held, inside a meter: the first plan runs
+    assert len(model._zoomem.plans) == 1
+    micro_batch()  # plans a later micro-batch
+    plans = {held: plan for (_, _, held), plan in model._zoomem.plans.items()}
+    assert set(plans) == {False, True} and "gradients held" in plans[True].signature
+    model.zero_grad(set_to_none=True)
+    first = micro_batch(metered=True)
+    later = micro_batch(metered=True)
+    assert later == first_meter > first + 8 * 2**20, (first, later)
+    assert abs(first - plans[False].predicted_peak_bytes) <= 0.01 * first, (first, plans[False].predicted_peak_bytes)
+    assert abs(later - plans[True].predicted_peak_bytes) <= 0.01 * later, (later, plans[True].predicted_peak_bytes)
+    zoomem.unwrap(model)

@@ -76,8 +76,12 @@ def measure_timeline(
     saved_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
     windows: list[BackwardWindow] | None = None,
     forward_windows: list[ForwardWindow] | None = None,
+    grads: bool = False,
 ) -> list[SegmentStat]:
     """Run one plain training step of ``model`` and return its segments in execution order.
+
+    ``grads``: the step starts with every trainable parameter's gradient present (zeros), as a micro-batch after
+    the first one under gradient accumulation does; backward adds into them instead of allocating them.
 
     ``windows``, a list, receives the backward cut finer, at every saved tensor unpacked (:data:`BackwardWindow`):
     where in a unit's backward its peak is, which tells the planner which of its lossy tensors are still packed
@@ -92,7 +96,7 @@ def measure_timeline(
     """
     if meter_busy():
         return []
-    with restored_state(model, batch), torch.enable_grad():
+    with restored_state(model, batch, grads), torch.enable_grad():
         return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
 
 
@@ -141,8 +145,9 @@ def meter_busy() -> bool:
 
 
 @contextlib.contextmanager
-def restored_state(model: nn.Module, batch: Batch) -> Iterator[None]:
-    """Put back what a measured step changes: gradients, buffers (BatchNorm statistics), the RNG state."""
+def restored_state(model: nn.Module, batch: Batch, with_grads: bool = False) -> Iterator[None]:
+    """Put back what a measured step changes: gradients, buffers (BatchNorm statistics), the RNG state. Inside,
+    the gradients are ``None``, or ``with_grads`` zeros of each trainable parameter's shape."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = list(model.buffers())
@@ -150,7 +155,7 @@ def restored_state(model: nn.Module, batch: Batch) -> Iterator[None]:
     devices = sorted({t.device.index or 0 for t in params + batch.tensors() if t.device.type == "cuda"})
     try:
         for p in params:
-            p.grad = None
+            p.grad = torch.zeros_like(p) if with_grads and p.requires_grad else None
         with torch.random.fork_rng(devices=devices):
             yield
     finally:

@@ -26,7 +26,8 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning
 from ..batch import Batch
 from ..graph import OpGraph, trace
-from ..graph.timeline import BackwardWindow, ForwardWindow, measure_forward_excess, measure_timeline, meter_busy
+from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_excess, measure_timeline,
+                              meter_busy)
 from ..benchtools import exc_text
 from ..measure import MemoryMeter, is_out_of_memory
 from ..optimizer import footprint
@@ -193,7 +194,12 @@ class _Handle:
                 torch.clear_autocast_cache()
 
     def plan_for(self, batch: Batch) -> Plan:
-        sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
+        # what forward sees, and whether the step starts with gradients (a later micro-batch of accumulation)
+        grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
+        if grads_held and (Batch(batch.args, batch.kwargs).signature(), self.model.training, False) in self.plans \
+                and meter_busy():  # nothing can measure the step so inside a meter: the first micro-batch's plan
+            grads_held = False
+        sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training, grads_held)
         cached = self.plans.get(sig)
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
@@ -202,9 +208,9 @@ class _Handle:
         with self.planning_scope():
             new = from_rank0(lambda: _seeing_the_loss(lambda: _make(
                 self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
-                self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size)),
-                _encode_plan, _decode_plan)
-        new.signature = repr(sig[0])
+                self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
+                grads_held=grads_held)), _encode_plan, _decode_plan)
+        new.signature = repr(sig[0]) + (" with the gradients held (a later micro-batch)" if grads_held else "")
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
@@ -217,9 +223,10 @@ class _Handle:
             )
         recomputed = sum(u.decision != Decision.KEEP for u in new.units)
         _log_rank0(
-            "zoomem: planned %s for a new input signature: %d of %d units recomputed, predicted peak %.1f MiB "
-            "(PyTorch %.1f MiB)", type(self.model).__name__, recomputed, len(new.units),
-            new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
+            "zoomem: planned %s for a new input signature%s: %d of %d units recomputed, predicted peak %.1f MiB "
+            "(PyTorch %.1f MiB)", type(self.model).__name__,
+            ", the step starting with the gradients held (gradient accumulation)" if grads_held else "", recomputed,
+            len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
         )
         return new
 
@@ -302,13 +309,16 @@ def cost_model(
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
     graph: OpGraph | None = None,
     lossy: bool = False,
+    grads_held: bool = False,
 ) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
     """What every plan of ``model`` on ``batch`` is made from: the traced step, measured once more with the
     memory-efficient implementations of the modules outside the units on, and once more with every one on (what
     ``compact`` saves per unit, and costs), as a :class:`CostModel` (optimizer state in its fixed bytes), with the
     implementations chosen per unit (:func:`install_impls`). ``lossy``: the compact forms are measured as they run
     under zoomem's saved-tensor store (BatchNorm then saves its normalised input and a 1-bit mask, tensors the
-    plain compact form never makes), which is what lossy plans run and what their savings are counted against."""
+    plain compact form never makes), which is what lossy plans run and what their savings are counted against.
+    ``grads_held``: the step starts with the gradients present (a micro-batch after the first under gradient
+    accumulation): its plain memory points are measured so, the gradients' bytes on top of each."""
     graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
     units = adapter.units(model)
     chosen = choose_impls(model, units, batch, outside=True)
@@ -368,9 +378,22 @@ def cost_model(
         costs.optimizer_bytes = graph.timeline[-1].end_bytes + costs.optimizer_scratch
         if costs.outside_gain:  # (measured: the outside forms' timeline matches the plain one's)
             costs.optimizer_gain = graph.timeline[-1].end_bytes - graph.timeline_outside[-1].end_bytes
+    if grads_held and graph.timeline:
+        _hold_grads(costs, model, measure_timeline(model, batch, loss, units, grads=True))
     costs.backward_windows = windows or []
     costs.forward_windows = forward_windows or []
     return costs, chosen, graph
+
+
+def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat]) -> None:
+    """Raise every memory point of ``costs`` to what ``timeline``, the plain step measured with the gradients
+    present, has there, plus those gradients' bytes: present from the start, they add to the forward whole, and
+    to the backward what the first micro-batch had not made by then (its backward adds into them instead).
+    A point that timeline lacks gets the gradients' bytes whole."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    held = {(p.phase, p.seg): p.measured + grads for p in _points(timeline, len(costs.units) + 1)}
+    for p in costs.points:
+        p.measured = max(p.measured, held.get((p.phase, p.seg), p.measured + grads))
 
 
 def _compact_recompute_gain(model: nn.Module, batch: Batch, loss: Callable[[Any, Batch], torch.Tensor],
@@ -408,6 +431,7 @@ def _make(
     compress: CompressOptions | None = None,
     level: Level | None = None,
     trace_batch_size: int | None = None,
+    grads_held: bool = False,
 ) -> Plan:
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
@@ -415,8 +439,8 @@ def _make(
     scale = _first_scale(batch, trace_batch_size) if graph is None else None
     (costs, chosen, graph), scale = _fitting(
         batch, adapter, scale, "tracing the step",
-        lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph, lossy) if s is None
-        else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s, lossy))
+        lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph, lossy, grads_held) if s is None
+        else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s, lossy, grads_held))
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -464,7 +488,8 @@ def _make(
             raise err
         try:
             plan = _make(model, batch, budget_bytes, strategy, adapter, optimizer, loss_fn, time_limit,
-                         graph=graph if scale is None else None, trace_batch_size=trace_batch_size)
+                         graph=graph if scale is None else None, trace_batch_size=trace_batch_size,
+                         grads_held=grads_held)
         except InfeasibleBudgetError as lossless_err:
             raise (lossless_err if lossless_err.min_budget < err.min_budget else err) from None
         logger.info("zoomem: no plan storing tensors in fewer bits fits %.1f MiB; a lossless one does",
@@ -773,12 +798,14 @@ def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: l
 def _scaled_cost_model(
     model: nn.Module, batch: Batch, adapter: Adapter, optimizer: torch.optim.Optimizer | None,
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None, scale: Scale, lossy: bool = False,
+    grads_held: bool = False,
 ) -> tuple[CostModel, dict[str, list], OpGraph]:  # type: ignore[type-arg]
     """:func:`cost_model` at ``scale.target`` samples from traces of the batch's first ``scale.small`` and
     ``scale.large`` samples (:func:`zoomem.planner.scale.scale_costs`); the graph is the larger trace's."""
-    small, _, _ = cost_model(model, adapter.sub_batch(batch, scale.small), adapter, optimizer, loss_fn, lossy=lossy)
+    small, _, _ = cost_model(model, adapter.sub_batch(batch, scale.small), adapter, optimizer, loss_fn, lossy=lossy,
+                             grads_held=grads_held)
     large, chosen, graph = cost_model(model, adapter.sub_batch(batch, scale.large), adapter, optimizer, loss_fn,
-                                      lossy=lossy)
+                                      lossy=lossy, grads_held=grads_held)
     return scale_costs(small, large, scale), chosen, graph
 
 
