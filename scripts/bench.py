@@ -461,7 +461,8 @@ def _zoomem_switch(model: Any, plan: Any, batch: Any, adapter: Any, optimizer: A
     from zoomem.batch import Batch
     from zoomem.runtime.wrap import install_impls
 
-    sig = (Batch(batch.args, batch.kwargs).signature(), True)  # the key wrap's plan cache uses in training mode
+    # the key wrap's plan cache uses in training mode, for a step that starts without gradients
+    sig = (Batch(batch.args, batch.kwargs).signature(), True, False)
 
     def enter() -> None:
         zoomem.wrap(model, plan.budget_bytes, strategy=plan.strategy, adapter=adapter, optimizer=optimizer,

@@ -157,6 +157,8 @@ def test_bf16_accumulation_and_clipping(ddp: SimpleNamespace) -> None:
     for r in ddp.ranks:
         plain, lossless, l2 = r["bf16_plain"], r["bf16_lossless"], r["bf16_L2"]
         assert _recomputes(lossless["plan"]["decisions"]) and l2["plan"]["bits"]
+        for run in (lossless, l2):  # the second micro-batch starts with the gradients: a plan of its own
+            assert len(run["plan"]["signatures"]) == 2 and "gradients held" in run["plan"]["signatures"][1], run
         for run in (plain, lossless, l2):
             assert bool(torch.isfinite(torch.tensor(run["losses"])).all()) and run["grads_finite"], run
             assert len(run["norms"]) == 2 and not run["autocast_after"]

@@ -130,6 +130,7 @@ def test_levels_from_small_probes_store_what_a_full_probe_would() -> None:
     zoomem.wrap(model, level="L2", adapter=adapter, trace_batch_size=4)
     for _ in range(2):  # the first step plans, the second measures the sensitivities again: on 2 and 4 sequences
         adapter.loss(model, batch, batch.call(model)).backward()
+        model.zero_grad(set_to_none=True)
     ((sig, plan),) = model._zoomem.plans.items()
     assert plan.traced_at == [2, 4, 16] and set(plan.bits) == set(full.bits)
     assert model._zoomem.planning[sig].probe_scale == Scale(2, 4, 16)

@@ -179,6 +179,7 @@ def test_eval_no_grad_and_new_shapes(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="zoomem"):
         adapter.loss(model, batch, batch.call(model)).backward()
         longer = adapter.example_batch(model, 2, seq_len=96)
+        model.zero_grad(set_to_none=True)  # (a step that starts with gradients held plans apart)
         adapter.loss(model, batch, batch.call(model)).backward()  # same signature: cached
         assert len(model._zoomem.plans) == 1
         adapter.loss(model, longer, longer.call(model)).backward()
@@ -1088,7 +1089,7 @@ def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
     for u in plan.units[::2]:
         u.decision = Decision.RECOMPUTE_CHEAP
     zoomem.wrap(model, adapter=adapter)
-    model._zoomem.plans[(batch.signature(), True)] = plan
+    model._zoomem.plans[(batch.signature(), True, False)] = plan
     compiled = torch.compile(model, backend="eager")
     with caplog.at_level(logging.WARNING, logger="zoomem"):
         for _ in range(2):

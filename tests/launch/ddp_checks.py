@@ -121,8 +121,12 @@ def setup(acc: Accelerator, how: str, **zoomem_kwargs: Any) -> tuple[Any, Any]:
 
 
 def plan_info(model: torch.nn.Module) -> dict[str, Any]:
-    (plan,) = za.plans(model)
+    """The first plan's decisions, bits and sensitivities, and every plan's signature (under gradient
+    accumulation a micro-batch that starts with the gradients held plans apart)."""
+    plans = za.plans(model)
+    plan = plans[0]
     return {
+        "signatures": [p.signature for p in plans],
         "decisions": [u.decision.value + (" + compact" if u.compact else "") for u in plan.units],
         "bits": plan.bits,
         "sensitivity": {d["key"]: d.get("sensitivity") for d in plan.saved},

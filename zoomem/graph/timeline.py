@@ -134,12 +134,14 @@ def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) ->
     return excess
 
 
-def meter_busy() -> bool:
-    """Whether a profiler or :class:`MemoryMeter` is running already (then nothing here can measure), logged."""
+def meter_busy(quiet: bool = False) -> bool:
+    """Whether a profiler or :class:`MemoryMeter` is running already (then nothing here can measure), logged
+    unless ``quiet``."""
     from .. import measure
 
     if measure._active_meter is not None or torch._C._autograd._profiler_enabled():
-        logger.info("a profiler or MemoryMeter is running, so the step's memory is not measured")
+        if not quiet:
+            logger.info("a profiler or MemoryMeter is running, so the step's memory is not measured")
         return True
     return False
 

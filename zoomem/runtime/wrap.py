@@ -193,13 +193,15 @@ class _Handle:
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
 
-    def plan_for(self, batch: Batch) -> Plan:
-        # what forward sees, and whether the step starts with gradients (a later micro-batch of accumulation)
-        grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
-        if grads_held and (Batch(batch.args, batch.kwargs).signature(), self.model.training, False) in self.plans \
-                and meter_busy():  # nothing can measure the step so inside a meter: the first micro-batch's plan
-            grads_held = False
-        sig = (Batch(batch.args, batch.kwargs).signature(), self.model.training, grads_held)
+    def plan_for(self, batch: Batch, grads_held: bool | None = None) -> Plan:
+        """The plan for a step on ``batch`` (made now if new). ``grads_held``: whether the step starts with the
+        gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them)."""
+        what = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
+        if grads_held is None:
+            grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
+            if grads_held and what + (False,) in self.plans and meter_busy(quiet=True):
+                grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
+        sig = what + (grads_held,)
         cached = self.plans.get(sig)
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
@@ -1192,7 +1194,7 @@ def wrap(
         handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
         try:
-            handle.plan_for(Batch.of(batch))
+            handle.plan_for(Batch.of(batch), grads_held=False)  # a first micro-batch; later ones plan as they come
         except BaseException:
             unwrap(model)  # a failed wrap leaves the model as it was
             raise
