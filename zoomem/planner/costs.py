@@ -108,6 +108,9 @@ class CostModel:
     every plan but for :attr:`optimizer_gain`; 0 where no optimizer was given."""
     optimizer_scratch: int = 0
     """The step's own scratch, part of :attr:`optimizer_bytes`."""
+    grads_held: bool = False
+    """The step starts with the gradients present (a later micro-batch of gradient accumulation); the points count
+    them (:func:`zoomem.runtime.wrap.cost_model`)."""
     optimizer_gain: int = 0
     """What the compact forms outside the units take off what the backward leaves: a fused LM-head loss that skips
     the logits leaves the loop no logits to hold (:meth:`optimizer_step`)."""

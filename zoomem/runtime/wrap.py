@@ -392,10 +392,16 @@ def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat])
     present, has there, plus those gradients' bytes: present from the start, they add to the forward whole, and
     to the backward what the first micro-batch had not made by then (its backward adds into them instead).
     A point that timeline lacks gets the gradients' bytes whole."""
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grads = _grad_bytes(model)
     held = {(p.phase, p.seg): p.measured + grads for p in _points(timeline, len(costs.units) + 1)}
     for p in costs.points:
         p.measured = max(p.measured, held.get((p.phase, p.seg), p.measured + grads))
+    costs.grads_held = True
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """Bytes of the trainable parameters' gradients."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _compact_recompute_gain(model: nn.Module, batch: Batch, loss: Callable[[Any, Batch], torch.Tensor],
@@ -879,14 +885,17 @@ def _next_margin(margin: float, budget: int, tried: list[tuple[int, int]]) -> fl
 
 
 def _measured_timeline(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
-                       loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit]) -> list:  # type: ignore[type-arg]
-    """The memory timeline of one real step under ``candidate``."""
+                       loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit],
+                       grads: bool = False) -> list:  # type: ignore[type-arg]
+    """The memory timeline of one real step under ``candidate`` (``grads``: started with zero gradients present,
+    which the timeline's bytes do not count)."""
     previous, handle.active = handle.active, handle.active_for(candidate)
     try:
         store = handle.active.store
         with handle.active.hooks(handle.model, batch):  # this forward's store state; the timeline calls into it
             return measure_timeline(handle.model, batch, _loss(adapter, handle.model, loss_fn), units,
-                                    saved_hooks=(store._pack, store._unpack) if store is not None else None)
+                                    saved_hooks=(store._pack, store._unpack) if store is not None else None,
+                                    grads=grads)
     finally:
         handle.active = previous
 
@@ -894,12 +903,14 @@ def _measured_timeline(handle: "_Handle", candidate: Plan, batch: Batch, adapter
 def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
                    loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit],
                    costs: CostModel) -> int | None:
-    """The peak of one real step under ``candidate`` (fixed bytes included): its forward and backward as measured,
-    the optimizer's step as ``costs`` predicts it under ``candidate``'s forms (planning cannot step the real one)."""
-    timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units)
+    """The peak of one real step under ``candidate`` (fixed bytes included): its forward and backward as measured
+    (started with the gradients present where ``costs`` was made so), the optimizer's step as ``costs`` predicts
+    it under ``candidate``'s forms (planning cannot step the real one)."""
+    timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units, grads=costs.grads_held)
     if not timeline:
         return None
-    return costs.fixed_bytes + max(max(t.peak_bytes for t in timeline),
+    held = _grad_bytes(handle.model) if costs.grads_held else 0
+    return costs.fixed_bytes + max(held + max(t.peak_bytes for t in timeline),
                                    costs.optimizer_step(_Active.of(candidate).compact))
 
 
