@@ -127,6 +127,7 @@ def test_lossless_ddp_matches_plain_accelerate(ddp: SimpleNamespace) -> None:
     for r in ddp.ranks:
         for how in ("before", "helper"):
             assert _recomputes(r[f"lossless_{how}_plan"]["decisions"]), r[f"lossless_{how}_plan"]
+            assert len(r[f"lossless_{how}_plan"]["signatures"]) == 1  # no accumulation: one plan
             assert r[f"lossless_{how}_max_param_diff"] <= 1e-5, (how, r[f"lossless_{how}_max_param_diff"])
             assert r[f"lossless_{how}_losses"] == pytest.approx(r["lossless_plain_losses"], rel=1e-6)
     assert r0["lossless_plain_losses"] != r1["lossless_plain_losses"]  # different data per rank ...
@@ -138,7 +139,7 @@ def test_compression_levels_use_the_same_bits_on_every_rank(ddp: SimpleNamespace
     planning and when measured again: both ranks use the same bits, although their batches differ; the
     re-measurement is logged by rank 0 only."""
     r0, r1 = (r["compress_L2"] for r in ddp.ranks)
-    assert r0["bits"] and r0["bits"] == r1["bits"]
+    assert r0["bits"] and r0["bits"] == r1["bits"] and len(r0["signatures"]) == len(r1["signatures"]) == 1
     assert r0["sensitivity"] == r1["sensitivity"]
     assert r0["losses"] != r1["losses"] and r0["param_checksum"] == r1["param_checksum"]
     assert ddp.stderr.count("sensitivities re-measured at step 2") == 1, ddp.stderr[-3000:]
@@ -179,7 +180,7 @@ def test_save_state_load_state_resumes_with_zoomem(ddp: SimpleNamespace) -> None
     resumed = _ranks(ddp.out, "resume", _launch("resume", ddp.out, *MULTI))
     for before, after in zip(ddp.ranks, resumed):
         assert after["loaded_param_checksum"] == before["saved_param_checksum"]
-        assert _recomputes(after["resume_plan"]["decisions"])
+        assert _recomputes(after["resume_plan"]["decisions"]) and len(after["resume_plan"]["signatures"]) == 1
         assert after["resumed_losses"] == pytest.approx(before["after_save_losses"], rel=1e-6, abs=1e-7)
 
 
