@@ -121,13 +121,14 @@ def test_process_count_check(tmp_path: Path, flags: tuple[str, ...], use_cpu: bo
 def test_lossless_ddp_matches_plain_accelerate(ddp: SimpleNamespace) -> None:
     """A recomputing budget, wrapped before prepare and through zoomem.accelerate.prepare: after three DDP steps
     the parameters equal plain Accelerate's and each other across ranks, although each rank trained on its own
-    batches. Not bitwise: the budget needs the compact forms too, whose output-activated LayerNorm reassociates
+    batches. Each plan counts DDP's gradient buckets. Not bitwise: the budget needs the compact forms too, whose output-activated LayerNorm reassociates
     (1e-7 relative in the gradients, up to a few 1e-6 in parameters after three AdamW steps at lr 1e-3)."""
     r0, r1 = ddp.ranks
     for r in ddp.ranks:
         for how in ("before", "helper"):
             assert _recomputes(r[f"lossless_{how}_plan"]["decisions"]), r[f"lossless_{how}_plan"]
             assert len(r[f"lossless_{how}_plan"]["signatures"]) == 1  # no accumulation: one plan
+            assert r[f"lossless_{how}_plan"]["ddp_bytes"] == r[f"lossless_{how}_plan"]["bucket_bytes"] > 0
             assert r[f"lossless_{how}_max_param_diff"] <= 1e-5, (how, r[f"lossless_{how}_max_param_diff"])
             assert r[f"lossless_{how}_losses"] == pytest.approx(r["lossless_plain_losses"], rel=1e-6)
     assert r0["lossless_plain_losses"] != r1["lossless_plain_losses"]  # different data per rank ...
@@ -211,6 +212,7 @@ def test_trainer_callback_under_ddp(ddp: SimpleNamespace) -> None:
         plain, wrapped = r["trainer_plain"], r["trainer_zoomem"]
         assert wrapped["container"] == "DistributedDataParallel"
         assert _recomputes(wrapped["decisions"]) and wrapped["unwrapped_after"]
+        assert wrapped["ddp_bytes"] == wrapped["bucket_bytes"] > 0  # DDP's buckets, in the plan's fixed bytes
         assert wrapped["losses"] == pytest.approx(plain["losses"], rel=1e-6)
         assert r["trainer_max_param_diff"] <= 1e-5  # the compact forms' reassociated LayerNorm, as above
     assert ddp.ranks[0]["trainer_zoomem"]["param_checksum"] == ddp.ranks[1]["trainer_zoomem"]["param_checksum"]

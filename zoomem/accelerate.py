@@ -41,6 +41,7 @@ from .batch import Batch
 from .planner import Plan
 from .planner.compression import CompressOptions
 from .runtime import is_wrapped, wrap
+from .runtime.distributed import holding
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -197,10 +198,12 @@ def prepare(
     if "optimizer" not in wrap_kwargs:
         wrap_kwargs["optimizer"] = next((o for o in others if isinstance(o, torch.optim.Optimizer)), None)
     prepared = accelerator.prepare(model, *others)
-    bare = _bare(prepared[0] if others else prepared)
+    container = prepared[0] if others else prepared
+    bare = _bare(container)
     if wrap_kwargs.get("batch") is not None:
         wrap_kwargs["batch"] = Batch.of(wrap_kwargs["batch"]).to(accelerator.device)
-    wrap(bare, budget, level=level, compress=compress, **wrap_kwargs)
+    with holding(container):  # a batch= plans now, outside DDP's forward: its buckets counted all the same
+        wrap(bare, budget, level=level, compress=compress, **wrap_kwargs)
     return prepared
 
 

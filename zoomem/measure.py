@@ -354,7 +354,8 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 def holder_bytes(*holders: Any, device: torch.device | str = "cpu") -> int:
-    """Storage-deduplicated bytes of every tensor the holders own on ``device`` (views and shared weights once)."""
+    """Storage-deduplicated bytes of every tensor the holders own on ``device`` (views and shared weights once), a
+    ``DistributedDataParallel``'s gradient buckets included."""
     device = torch.device(device)
     storages: dict[int, int] = {}
     for t in _iter_tensors(holders):
@@ -365,7 +366,20 @@ def holder_bytes(*holders: Any, device: torch.device | str = "cpu") -> int:
             ptr = storage.data_ptr()
             if ptr:
                 storages[ptr] = max(storages.get(ptr, 0), storage.nbytes())
-    return sum(storages.values())
+    return sum(storages.values()) + sum(_ddp_buckets(h, device) for h in holders)
+
+
+def _ddp_buckets(holder: Any, device: torch.device) -> int:
+    """A DDP holder's gradient buckets, which no Python object exposes as tensors (where they are the gradients,
+    ``gradient_as_bucket_view=True`` after a backward, the gradients' storages counted them already)."""
+    from .runtime.distributed import bucket_bytes
+
+    params = list(holder.parameters()) if isinstance(holder, torch.nn.Module) else []
+    if not params or params[0].device.type != device.type:
+        return 0
+    if getattr(holder, "gradient_as_bucket_view", False) and any(p.grad is not None for p in params):
+        return 0
+    return bucket_bytes(holder)
 
 
 def _resolve_device(holders: tuple[Any, ...], device: torch.device | str | None) -> torch.device:

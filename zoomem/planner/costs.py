@@ -111,6 +111,9 @@ class CostModel:
     grads_held: bool = False
     """The step starts with the gradients present (a later micro-batch of gradient accumulation); the points count
     them (:func:`zoomem.runtime.wrap.cost_model`)."""
+    ddp_bytes: int = 0
+    """DDP's gradient buckets (:func:`zoomem.runtime.distributed.bucket_bytes`), part of :attr:`fixed_bytes`: held
+    for the whole step where the model trains inside a ``DistributedDataParallel``."""
     optimizer_gain: int = 0
     """What the compact forms outside the units take off what the backward leaves: a fused LM-head loss that skips
     the logits leaves the loop no logits to hold (:meth:`optimizer_step`)."""

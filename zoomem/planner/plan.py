@@ -88,6 +88,8 @@ class Plan:
             (1: not measured); ``compress_s`` includes it.
         optimizer_bytes: bytes above the fixed ones while the optimizer steps under this plan (the gradients,
             the output the loop holds, the step's scratch); 0 where planning had no optimizer.
+        ddp_bytes: DDP's gradient buckets, part of ``fixed_bytes`` (0 outside DDP): a flat copy of the gradients
+            that ``DistributedDataParallel`` holds for good.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
         traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
             extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.
@@ -114,6 +116,7 @@ class Plan:
     compress_s: float = 0.0
     compress_scale: float = 1.0
     optimizer_bytes: int = 0
+    ddp_bytes: int = 0
     saved: list[dict[str, Any]] = field(default_factory=list)
     traced_at: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
@@ -184,7 +187,9 @@ class Plan:
         lines.append(
             f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB (plain PyTorch {self.baseline_peak_bytes / _MIB:.1f}"
             f" MiB, {self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1):.0%}); budget {budget}; "
-            f"fixed {self.fixed_bytes / _MIB:.1f} MiB; predicted overhead {self.overhead:.3f}x"
+            f"fixed {self.fixed_bytes / _MIB:.1f} MiB"
+            + (f" (DDP's gradient buckets {self.ddp_bytes / _MIB:.1f} MiB included)" if self.ddp_bytes else "")
+            + f"; predicted overhead {self.overhead:.3f}x"
             + (f"; LP bound {1e3 * self.lp_bound:.2f} ms" if self.lp_bound is not None else "")
         )
         if self.bits or self.level:

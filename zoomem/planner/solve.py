@@ -571,6 +571,7 @@ def make_plan(
             f"feasible budget is {smallest / _MIB:.1f} MiB ({smallest} bytes; plain PyTorch needs "
             f"{baseline / _MIB:.1f} MiB, of which {model.fixed_bytes / _MIB:.1f} MiB are parameters, buffers, the "
             "batch and the optimizer's state"
+            + (f" and DDP's gradient buckets ({model.ddp_bytes / _MIB:.1f} MiB)" if model.ddp_bytes else "")
             + (f"; its step needs {(model.fixed_bytes + least_step) / _MIB:.1f} MiB, the gradients, the output "
                f"and {model.optimizer_scratch / _MIB:.1f} MiB of its own scratch included" if least_step else "")
             + ("; a fused optimizer (`fused=True` where it has one) allocates no scratch"
@@ -610,6 +611,7 @@ def make_plan(
         compress_s=model.compress_time(bits),
         compress_scale=model.compress_scale,
         optimizer_bytes=model.optimizer_step(frozenset(compact)),
+        ddp_bytes=model.ddp_bytes,
         saved=[s.to_dict() for s in model.saved],
         step_s=model.step_s,
         solver=info.get("solver", ""),

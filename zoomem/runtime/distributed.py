@@ -1,4 +1,5 @@
-"""What data-parallel ranks must agree on: sensitivities (averaged) and plans (rank 0's, for every rank).
+"""What data-parallel ranks must agree on (sensitivities, averaged; plans, rank 0's for every rank), and what DDP
+holds beside the model (its gradient buckets, which a plan's budget counts).
 
 Each rank traces and measures its own step, so measured times, verified peaks and sensitivities differ a little
 by rank; a plan made from them could then differ too (other bits, other recomputed units), and one rank could
@@ -8,11 +9,15 @@ initialised process group of more than one rank.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import contextlib
+import contextvars
+import sys
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
+from torch import nn
 
-__all__ = ["world_size", "all_reduce_mean", "from_rank0"]
+__all__ = ["world_size", "all_reduce_mean", "from_rank0", "bucket_bytes", "ddp_of", "holding"]
 
 T = TypeVar("T")
 
@@ -79,3 +84,69 @@ def _picklable(error: BaseException) -> BaseException:
         return error
     except Exception:  # noqa: BLE001
         return RuntimeError(f"zoomem planning failed on rank 0: {type(error).__name__}: {error}")
+
+
+# -- DDP's gradient buckets ----------------------------------------------------------------------------------------
+
+_NAMED: contextvars.ContextVar[Any] = contextvars.ContextVar("zoomem_ddp", default=None)
+
+_FRAMES = 64
+"""Frames :func:`ddp_of` looks up for a DDP forward calling the model (DDP's own calls sit about 6 deep)."""
+
+
+def bucket_bytes(ddp: nn.Module | None) -> int:
+    """Bytes of ``ddp``'s gradient buckets: a flat copy of every dense gradient it reduces (the parameters that
+    need a gradient, less those it was told to ignore and sparse embeddings'), which ``DistributedDataParallel``
+    allocates when it is built and holds for good, beside the gradients themselves unless
+    ``gradient_as_bucket_view=True`` (then the gradients are views into them). 0 for anything but a DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        return 0
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    seen: set[int] = set()
+    total = 0
+    for prefix, module in ddp.module.named_modules():
+        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse  # no dense bucket
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and f"{prefix}.{name}" not in ignore and id(p) not in seen:  # (DDP's own naming)
+                seen.add(id(p))
+                total += 0 if sparse else p.numel() * p.element_size()
+    return total
+
+
+@contextlib.contextmanager
+def holding(container: nn.Module) -> Iterator[None]:
+    """Inside, :func:`ddp_of` knows ``container`` (an integration that plans before any DDP forward runs)."""
+    token = _NAMED.set(container)
+    try:
+        yield
+    finally:
+        _NAMED.reset(token)
+
+
+def ddp_of(model: nn.Module) -> nn.Module | None:
+    """The ``DistributedDataParallel`` that holds ``model``: the one :func:`holding` names, else the one whose
+    forward is calling ``model`` now (zoomem plans inside the first training forward, which DDP makes), else
+    None (a model planned outside DDP's forward, ``wrap(batch=...)`` before DDP is built, has no buckets yet)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    named = _NAMED.get()
+    for _ in range(8):  # through the containers around it (torch.compile's, DataParallel's)
+        if named is None or named is model:
+            break
+        if isinstance(named, DistributedDataParallel) and named.module is model:
+            return named
+        inner = getattr(named, "_orig_mod", None)
+        named = inner if inner is not None else getattr(named, "module", None)
+    codes = {DistributedDataParallel.forward.__code__, DistributedDataParallel._run_ddp_forward.__code__}
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES):
+        if frame is None:
+            break
+        if frame.f_code in codes:
+            me = frame.f_locals.get("self")
+            if isinstance(me, DistributedDataParallel) and me.module is model:
+                return me
+        frame = frame.f_back
+    return None

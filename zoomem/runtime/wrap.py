@@ -41,7 +41,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
-from .distributed import all_reduce_mean, from_rank0, world_size
+from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, world_size
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
@@ -374,7 +374,8 @@ def cost_model(
                                                                {u: chosen[u] for u in early})
     costs.take_rises(graph)
     used = footprint(optimizer)
-    costs.fixed_bytes += used.state
+    costs.ddp_bytes = bucket_bytes(ddp_of(model))  # (under DDP: planned inside the forward it makes)
+    costs.fixed_bytes += used.state + costs.ddp_bytes
     if optimizer is not None and graph.timeline:  # the backward leaves its end; the step allocates on top
         costs.optimizer_scratch = used.scratch
         costs.optimizer_bytes = graph.timeline[-1].end_bytes + costs.optimizer_scratch
