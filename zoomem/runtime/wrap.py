@@ -1095,7 +1095,8 @@ def wrap(
     Args:
         model: a timm, HF transformers, PyG or any ``nn.Module``.
         budget: bytes (int), a string (``"6GiB"``, ``"60%"``) or a fraction (float) of plain PyTorch's peak,
-            for the whole training step's peak. ``None`` keeps everything (plain PyTorch).
+            for the whole training step's peak (under DDP its gradient buckets included: the DDP whose forward
+            calls the model when it plans). ``None`` keeps everything (plain PyTorch).
         strategy: ``ilp`` (default) or a baseline (``none``, ``all``, ``sqrt``, ``greedy``).
         adapter: the zoo adapter (or its name) instead of the matching one.
         optimizer: counts its state and its step in the budget.
