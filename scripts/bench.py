@@ -458,11 +458,9 @@ def _zoomem_switch(model: Any, plan: Any, batch: Any, adapter: Any, optimizer: A
     """``enter``/``leave`` that wrap the model with a plan made beforehand (no re-trace) and unwrap it;
     ``chosen``: the planner's compact implementations, installed behind the plan's switches as wrap does."""
     import zoomem
-    from zoomem.batch import Batch
-    from zoomem.runtime.wrap import install_impls
+    from zoomem.runtime.wrap import install_impls, plan_key
 
-    # the key wrap's plan cache uses in training mode, for a step that starts without gradients
-    sig = (Batch(batch.args, batch.kwargs).signature(), True, False)
+    sig = plan_key(batch)  # a training step that starts without gradients
 
     def enter() -> None:
         zoomem.wrap(model, plan.budget_bytes, strategy=plan.strategy, adapter=adapter, optimizer=optimizer,

@@ -3,6 +3,9 @@
     python scripts/step_memory.py hf/gpt2 --batch 8 --set n_layer=2 --seq-len 256 --level L2 \\
         --optimizers adamw adamw-foreach adamw-fused sgd   # 5 min, 2 cores
 
+``--ddp`` runs each step under ``DistributedDataParallel`` in a one-process gloo group: its gradient buckets (a
+flat copy of the gradients, built with it) count in the plan's fixed bytes and in the meter's baseline.
+
 For each optimizer the model is built afresh, wrapped with that optimizer (``optimizer=``, refreshes of
 sensitivities off) and stepped twice. Step 0 plans. Step 1 is metered as an ordinary loop steps (forward, loss,
 backward, ``optimizer.step()``, ``zero_grad``, the output held to the end: ``zoomem.measure_step``). The plan's
@@ -13,13 +16,19 @@ the step's peak once a plan takes the backward low enough.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Any, Callable
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import zoomem
 from zoomem.benchtools import add_model_arguments, model_from_arguments
+from zoomem.measure import holder_bytes
 from zoomem.runtime.wrap import _loss
 
 MIB = 2**20
@@ -39,22 +48,41 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--level", default="L2", help="a compression level (default L2)")
     which.add_argument("--budget", default=None, help="a budget instead (lossless), e.g. 60%% or 2GiB")
     parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=list(OPTIMIZERS))
+    parser.add_argument("--ddp", action="store_true", help="step under DDP (one gloo process)")
     args = parser.parse_args(argv)
+    with _gloo() if args.ddp else contextlib.nullcontext():
+        _table(args)
+    return 0
+
+
+@contextlib.contextmanager
+def _gloo() -> Iterator[None]:
+    """A gloo process group of one, for DDP without a launcher."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=(Path(tmp) / "store").as_uri(), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _table(args: argparse.Namespace) -> None:
     how = {"budget": args.budget} if args.budget is not None else {"level": args.level, "sensitivity_interval": 0}
     if args.budget is not None:
         print(f"budget {args.budget}")
     print("| optimizer | predicted peak | optimizer's step, predicted | forward | backward | optimizer | measured peak "
-          "| measured / predicted |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| measured / predicted |" + (" DDP's buckets |" if args.ddp else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.ddp else ""))
     for name in args.optimizers:
         torch.manual_seed(0)
         model, adapter, batch = model_from_arguments(args)
         model.train()
         loss_fn = _loss(adapter, model, None)
         optimizer = OPTIMIZERS[name](model.parameters())
+        runner = DistributedDataParallel(model) if args.ddp else model
         zoomem.wrap(model, optimizer=optimizer, adapter=adapter, **how)
         try:
-            loss_fn(batch.call(model), batch).backward()  # step 0 plans (planning measures; it runs outside a meter)
+            loss_fn(batch.call(runner), batch).backward()  # step 0 plans (planning measures; it runs outside a meter)
         except zoomem.InfeasibleBudgetError as exc:
             print(f"| {name} | no plan: the smallest feasible budget is {exc.min_budget / MIB:.1f} MiB |||||||",
                   flush=True)
@@ -62,16 +90,30 @@ def main(argv: list[str] | None = None) -> int:
             continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        report = zoomem.measure_step(model, batch, loss_fn, optimizer)
+        if args.ddp:  # DDP rebuilds its buckets in its second forward (the meter would miss the old ones' free)
+            loss_fn(batch.call(runner), batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        report = zoomem.measure_step(runner, batch, loss_fn, optimizer)
+        # what exists before the step, DDP's buckets as torch reports them (a zoomem before it counted them too)
+        start = holder_bytes(model, optimizer, batch) + _buckets(runner)
         (plan,) = model.__dict__["_zoomem"].plans.values()
         step = getattr(plan, "optimizer_bytes", 0)  # (a zoomem before it counted the step: 0)
-        phases = {k: v.peak_bytes / MIB for k, v in report.phases.items()}
+        phases = {k: (start + v.peak_bytes - report.baseline_bytes) / MIB for k, v in report.phases.items()}
+        peak = start + report.peak_delta_bytes
         print(f"| {name} | {plan.predicted_peak_bytes / MIB:.1f} | "
               f"{(plan.fixed_bytes + step) / MIB if step else 0:.1f} | {phases['forward']:.1f} | "
-              f"{phases['backward']:.1f} | {phases['optimizer']:.1f} | {report.peak_bytes / MIB:.1f} | "
-              f"{report.peak_bytes / plan.predicted_peak_bytes:.3f} |", flush=True)
+              f"{phases['backward']:.1f} | {phases['optimizer']:.1f} | {peak / MIB:.1f} | "
+              f"{peak / plan.predicted_peak_bytes:.3f} |"
+              + (f" {_buckets(runner) / MIB:.1f} |" if args.ddp else ""), flush=True)
         zoomem.unwrap(model)
-    return 0
+
+
+def _buckets(runner: torch.nn.Module) -> int:
+    """DDP's gradient buckets, in bytes, as DDP reports them (0 without DDP)."""
+    if not isinstance(runner, DistributedDataParallel):
+        return 0
+    return sum(int(b) for b in str(runner._get_ddp_logging_data()["bucket_sizes"]).split(","))
 
 
 if __name__ == "__main__":

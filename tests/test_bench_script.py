@@ -491,3 +491,17 @@ def test_step_memory_script_meters_the_optimizers_step_as_predicted():
         assert 0.98 <= ratio <= 1.01 and abs(measured / predicted - ratio) < 1e-3, (name, proc.stdout)
     assert rows["adamw"][4] == rows["adamw"][5] > rows["adamw"][3], proc.stdout  # the optimizer's step, the peak
     assert rows["adamw-fused"][4] < rows["adamw"][4], proc.stdout
+
+
+def test_step_memory_script_under_ddp_counts_its_buckets():
+    """`scripts/step_memory.py --ddp`: the step under DDP (one gloo process) measures its gradient buckets
+    beside the gradients, and the plan predicts it with them (on 0eba8e6, which left them out, the small GPT-2's
+    step at L2 measured 1.083 of its prediction)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "step_memory.py"), "hf/gpt2", "--small", "--optimizers",
+           "adamw-fused", "--ddp"]
+    proc = run_script(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    (row,) = [[float(c) for c in line.split("|")[2:-1]] for line in proc.stdout.splitlines()
+              if line.startswith("| adamw-fused")]
+    predicted, measured, ratio, buckets = row[0], row[5], row[6], row[7]
+    assert buckets > 0 and 0.99 <= ratio <= 1.01 and abs(measured / predicted - ratio) < 1e-3, proc.stdout

@@ -1089,7 +1089,9 @@ def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
     for u in plan.units[::2]:
         u.decision = Decision.RECOMPUTE_CHEAP
     zoomem.wrap(model, adapter=adapter)
-    model._zoomem.plans[(batch.signature(), True, False)] = plan
+    from zoomem.runtime.wrap import plan_key
+
+    model._zoomem.plans[plan_key(batch)] = plan
     compiled = torch.compile(model, backend="eager")
     with caplog.at_level(logging.WARNING, logger="zoomem"):
         for _ in range(2):

@@ -108,9 +108,15 @@ class _Planning:
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
 
 
+def plan_key(batch: Batch, training: bool = True, grads_held: bool = False) -> tuple[str, bool, bool]:
+    """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
+    train mode) and whether the step starts with the gradients held (a later micro-batch of accumulation)."""
+    return (Batch(batch.args, batch.kwargs).signature(), training, grads_held)
+
+
 @dataclass
 class _Handle:
-    """Per-model zoomem state: configuration, installed wrappers and the plan cache (keyed by input signature)."""
+    """Per-model zoomem state: configuration, installed wrappers and the plan cache (:func:`plan_key`)."""
 
     model: nn.Module
     budget: int | float | str | None
@@ -196,12 +202,12 @@ class _Handle:
     def plan_for(self, batch: Batch, grads_held: bool | None = None) -> Plan:
         """The plan for a step on ``batch`` (made now if new). ``grads_held``: whether the step starts with the
         gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them)."""
-        what = (Batch(batch.args, batch.kwargs).signature(), self.model.training)  # what forward sees
+        first = plan_key(batch, self.model.training)
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
-            if grads_held and what + (False,) in self.plans and meter_busy(quiet=True):
+            if grads_held and first in self.plans and meter_busy(quiet=True):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
-        sig = what + (grads_held,)
+        sig = first[:2] + (grads_held,)
         cached = self.plans.get(sig)
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
