@@ -74,9 +74,7 @@ class _Active:
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
         store = SavedTensorStore(bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload,
                                  generator=generator) if plan.bits else None
-        compact = frozenset(u.name for u in plan.units if u.compact)
-        if plan.outside_compact:
-            compact |= {OUTSIDE_UNITS}
+        compact = _compact_of(plan)
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
         recomputes = any(d != Decision.KEEP for d in plan.decisions.values())
         return cls(plan.decisions, compact, store, feeds, Chain() if feeds else None, recomputes)
@@ -93,6 +91,11 @@ class _Active:
         backward)."""
         if self.chain is not None:
             self.chain.close()
+
+
+def _compact_of(plan: Plan) -> frozenset[str]:
+    """The units whose compact forms ``plan`` runs, :data:`OUTSIDE_UNITS` for the modules outside them."""
+    return frozenset(u.name for u in plan.units if u.compact) | ({OUTSIDE_UNITS} if plan.outside_compact else set())
 
 
 @dataclass
@@ -918,7 +921,7 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
         return None
     held = _grad_bytes(handle.model) if costs.grads_held else 0
     return costs.fixed_bytes + max(held + max(t.peak_bytes for t in timeline),
-                                   costs.optimizer_step(_Active.of(candidate).compact))
+                                   costs.optimizer_step(_compact_of(candidate)))
 
 
 def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batch) -> list[tuple[Any, float, int | None]]:
