@@ -1179,3 +1179,43 @@ def test_a_loss_computed_outside_the_model_is_planned_when_given_and_warned_abou
         (plan,) = model.__dict__["_zoomem"].plans.values()
         ratios[given] = meter.report.peak_bytes / plan.predicted_peak_bytes
     assert ratios[True] == pytest.approx(1.0, abs=0.02) and ratios[False] > 1.3, ratios
+
+
+def test_a_batch_no_larger_than_a_planned_one_runs_its_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamic padding: a shorter and smaller batch runs the plan of the batch planned before it (no planning, so
+    inside a meter too), with plain PyTorch's gradients and a peak below that plan's prediction; a larger batch,
+    ``reuse_plans=False`` and a lossy level plan anew."""
+    from zoomem.accelerate import plans
+
+    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=32)
+    reference = copy.deepcopy(model)
+
+    def part(rows: int, cols: int) -> zoomem.Batch:
+        return zoomem.Batch((), {k: v[:rows, :cols] if v.dim() == 2 else v[:rows] for k, v in batch.kwargs.items()})
+
+    shorter = part(16, 48)
+    larger = zoomem.Batch((), {k: torch.cat([v, v[:8]]) for k, v in batch.kwargs.items()})
+    zoomem.wrap(model, "85%", adapter=adapter)
+    adapter.loss(model, batch, batch.call(model)).backward()
+    model.zero_grad(set_to_none=True)
+    (plan,) = plans(model)
+    assert any(u.decision != Decision.KEEP or u.compact for u in plan.units), plan.summary()
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        loss, grads, peak = _step(model, adapter, shorter)  # inside a meter: it could not plan there
+    ref_loss, ref_grads, _ = _step(reference, adapter, shorter)
+    assert len(model._zoomem.plans) == 2 and plans(model) == [plan]
+    assert "no larger than one planned already" in caplog.text
+    assert torch.allclose(loss, ref_loss, rtol=1e-6)
+    _assert_grads_close(grads, ref_grads, "shorter batch under the longer one's plan")
+    assert peak <= plan.predicted_peak_bytes, (peak, plan.predicted_peak_bytes)
+    adapter.loss(model, larger, larger.call(model)).backward()
+    model.zero_grad(set_to_none=True)
+    assert len(plans(model)) == 2
+    for how in ({"budget": plan.budget_bytes, "reuse_plans": False}, {"level": "L2"}):
+        zoomem.unwrap(model)
+        zoomem.wrap(model, adapter=adapter, **how)
+        for b in (batch, shorter):
+            adapter.loss(model, b, b.call(model)).backward()
+            model.zero_grad(set_to_none=True)
+        assert len(plans(model)) == 2, how
+    zoomem.unwrap(model)

@@ -208,11 +208,12 @@ def prepare(
 
 
 def plans(model: nn.Module) -> list[Plan]:
-    """The plans a wrapped model has made so far (one per input signature), DDP containers looked through."""
+    """The plans a wrapped model has made so far (one per input signature planned; a smaller signature that runs a
+    larger one's plan adds none), DDP containers looked through."""
     bare = _bare(model)
     if not is_wrapped(bare):
         return []
-    return list(bare.__dict__["_zoomem"].plans.values())
+    return list({id(p): p for p in bare.__dict__["_zoomem"].plans.values()}.values())
 
 
 def log_plans(accelerator: Any, model: nn.Module, level: int = logging.INFO) -> list[Plan]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "no_larger"]
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Batch:
 
     >>> b = Batch.of(torch.zeros(2, 3))
     >>> b.signature()
-    (('args', ((2, 3), 'torch.float32'),), ('kwargs',), ('target', None))
+    (('args', ((2, 3), 'torch.float32')), ('kwargs',), ('target', None))
     """
 
     args: tuple[Any, ...] = ()
@@ -108,3 +108,27 @@ class Batch:
         args = tuple(sig(a) for a in pytree.tree_leaves(self.args))
         target = None if self.target is None else tuple(sig(t) for t in pytree.tree_leaves(self.target))
         return (("args",) + args, ("kwargs",) + kw, ("target", target))
+
+
+def no_larger(small: Any, large: Any) -> bool:
+    """Whether the :meth:`Batch.signature` ``small`` is ``large`` with no tensor dimension larger: the same inputs,
+    dtypes, ranks and non-tensor values (a shorter padded batch, fewer samples, a smaller image).
+
+    >>> no_larger(Batch.of(torch.zeros(2, 30)).signature(), Batch.of(torch.zeros(2, 32)).signature())
+    True
+    >>> no_larger(Batch.of(torch.zeros(4, 30)).signature(), Batch.of(torch.zeros(2, 32)).signature())
+    False
+    """
+    if _tensor_signature(small) and _tensor_signature(large):
+        (small_shape, small_dtype), (large_shape, large_dtype) = small, large
+        return small_dtype == large_dtype and len(small_shape) == len(large_shape) and all(
+            a <= b for a, b in zip(small_shape, large_shape))
+    if isinstance(small, tuple) and isinstance(large, tuple):
+        return len(small) == len(large) and all(no_larger(a, b) for a, b in zip(small, large))
+    return bool(small == large)
+
+
+def _tensor_signature(x: Any) -> bool:
+    """A tensor's entry in a signature: ``(shape, "torch.<dtype>")``."""
+    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and all(isinstance(d, int) for d in x[0])
+            and isinstance(x[1], str) and x[1].startswith("torch."))

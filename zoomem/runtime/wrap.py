@@ -24,7 +24,7 @@ from torch import nn
 
 from ..adapters import Adapter, Unit, get_adapter
 from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning
-from ..batch import Batch
+from ..batch import Batch, no_larger
 from ..graph import OpGraph, trace
 from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_excess, measure_timeline,
                               meter_busy)
@@ -133,6 +133,7 @@ class _Handle:
     level: Level | None = None
     sensitivity_interval: int = 0
     trace_batch_size: int | None = None
+    reuse_plans: bool = True
     plans: dict[tuple, Plan] = field(default_factory=dict)
     planning: dict[tuple, _Planning] = field(default_factory=dict)
     generators: dict[str, torch.Generator] = field(default_factory=dict)
@@ -216,6 +217,13 @@ class _Handle:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
             return cached
+        larger = self._larger_plan(sig)
+        if larger is not None:
+            self.plans[sig] = larger
+            _log_rank0("zoomem: %s's new input signature is no larger than one planned already: it runs that plan "
+                       "(predicted peak %.1f MiB at the larger inputs)", type(self.model).__name__,
+                       larger.predicted_peak_bytes / _MIB)
+            return larger
         with self.planning_scope():
             new = from_rank0(lambda: _seeing_the_loss(lambda: _make(
                 self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
@@ -240,6 +248,18 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
         )
         return new
+
+    def _larger_plan(self, sig: tuple) -> Plan | None:  # type: ignore[type-arg]
+        """A plan made for inputs at least as large as ``sig``'s (:func:`~zoomem.batch.no_larger`; the same train
+        mode and gradients flag), the one recomputing least, where such a plan may run ``sig``'s step: activations
+        only shrink with the inputs, and lossless decisions (keep, recompute, compact forms) do not depend on
+        shapes. Not for lossy plans (their bits and groups are per tensor, measured at one shape), nor under DDP
+        (ranks must plan at the same steps: each new shape takes part in rank 0's plan)."""
+        if not self.reuse_plans or self.compress is not None or (self.level is not None and self.level.lossy) \
+                or world_size() > 1:
+            return None
+        fits = [p for k, p in self.plans.items() if k[1:] == sig[1:] and not p.bits and no_larger(sig[0], k[0])]
+        return min(fits, key=lambda p: p.recompute_s, default=None)
 
     def _refresh(self, sig: tuple, batch: Batch, old: Plan) -> Plan:  # type: ignore[type-arg]
         """Measure the sensitivities again on this batch and re-allocate the bits (the plan's units stay)."""
@@ -1098,6 +1118,7 @@ def wrap(
     sensitivity_interval: int = 200,
     trace_batch_size: int | None = None,
     skip_logits: bool = False,
+    reuse_plans: bool = True,
 ) -> nn.Module:
     """Train ``model`` within ``budget`` bytes with gradients identical to plain PyTorch's (in place, undoable).
 
@@ -1131,6 +1152,10 @@ def wrap(
             ``batch x sequence x vocabulary`` logits are freed after the loss (GPT-2 at 2 x 256 tokens: 98 MiB) and
             the loss's backward makes each slice of them again from the head's input (one more head-sized
             product). Eval, ``no_grad`` and forwards without labels return them as usual.
+        reuse_plans: a training step whose inputs are no larger than a planned one's (the same inputs and dtypes,
+            no dimension larger: dynamic padding's shorter batches, a last smaller batch) runs that plan instead
+            of planning its own, unmeasured at its own shape. Lossless plans only, one process only (lossy plans
+            and DDP ranks plan every new signature). ``False``: every new signature plans.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -1159,7 +1184,7 @@ def wrap(
         model=model, budget=budget, strategy=strategy, adapter=adapter, units=adapter.units(model),
         time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn, compress=options, level=lvl,
         sensitivity_interval=sensitivity_interval if (lvl is not None and lvl.adaptive) or options else 0,
-        trace_batch_size=trace_batch_size, seed=torch.initial_seed() % (1 << 63),
+        trace_batch_size=trace_batch_size, reuse_plans=reuse_plans, seed=torch.initial_seed() % (1 << 63),
     )
     model.__dict__[_ATTR] = handle
     if skip_logits:
