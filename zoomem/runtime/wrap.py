@@ -111,7 +111,7 @@ class _Planning:
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
 
 
-def plan_key(batch: Batch, training: bool = True, grads_held: bool = False) -> tuple[str, bool, bool]:
+def plan_key(batch: Batch, training: bool = True, grads_held: bool = False) -> tuple[tuple, bool, bool]:  # type: ignore[type-arg]
     """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
     train mode) and whether the step starts with the gradients held (a later micro-batch of accumulation)."""
     return (Batch(batch.args, batch.kwargs).signature(), training, grads_held)
