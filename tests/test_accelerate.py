@@ -135,6 +135,15 @@ def test_lossless_ddp_matches_plain_accelerate(ddp: SimpleNamespace) -> None:
     assert r0["lossless_param_checksum"] == r1["lossless_param_checksum"]  # ... and synced gradients
 
 
+def test_ranks_whose_inputs_differ_in_shape_are_refused_at_once(ddp: SimpleNamespace) -> None:
+    """Dynamic padding under DDP: rank 1 meets a shorter batch than rank 0 where they plan; it would run rank 0's
+    plan, unmeasured at its shape, and hang at the first step where only one of them meets a new shape. It raises
+    an error that says so and what to do; rank 0 is not stopped."""
+    r0, r1 = ddp.ranks
+    assert r0["shapes_error"] is None
+    assert "rank 1 plans for" in r1["shapes_error"] and "padding='max_length'" in r1["shapes_error"], r1["shapes_error"]
+
+
 def test_compression_levels_use_the_same_bits_on_every_rank(ddp: SimpleNamespace) -> None:
     """L2's sensitivities are all-reduced and every rank takes rank 0's plan (zoomem.runtime.distributed), at
     planning and when measured again: both ranks use the same bits, although their batches differ; the

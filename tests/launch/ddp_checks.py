@@ -255,6 +255,23 @@ def resume(out: dict[str, Any], ckpt: Path) -> None:
     out["resume_plan"] = plan_info(model)
 
 
+def shapes(out: dict[str, Any]) -> None:
+    """Ranks whose inputs differ in shape at a planning step (dynamic padding): each would run rank 0's plan, and a
+    rank meeting a new shape while the other does not would wait for it for good. Rank 1 refuses at once with an
+    error that says what to do; rank 0, whose plan it is, trains on (no DDP here, so nothing waits for rank 1)."""
+    acc = fresh_accelerator()
+    model, _ = model_and_opt()
+    zoomem.wrap(model, budget=LOSSLESS)
+    b = {k: v[:, : SEQ - 8 * acc.process_index] if v.dim() == 2 else v for k, v in batch(0, acc.process_index).items()}
+    try:
+        model(**b).loss.backward()
+        out["shapes_error"] = None
+    except RuntimeError as exc:
+        out["shapes_error"] = str(exc)
+    zoomem.unwrap(model)
+    torch.distributed.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["count", "train", "resume"])
@@ -269,6 +286,7 @@ def main() -> None:
     out["num_processes"] = za.check_processes(acc, args.expect)
     if args.mode == "train":
         lossless(out)
+        shapes(out)
         compress(out)
         bf16(out)
         trainer(out, args.out / "trainer")

@@ -225,10 +225,11 @@ class _Handle:
                        larger.predicted_peak_bytes / _MIB)
             return larger
         with self.planning_scope():
-            new = from_rank0(lambda: _seeing_the_loss(lambda: _make(
+            new = from_rank0(lambda: _signed(_seeing_the_loss(lambda: _make(
                 self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
                 self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
-                grads_held=grads_held)), _encode_plan, _decode_plan)
+                grads_held=grads_held)), sig), _encode_plan, _decode_plan)
+        _check_same_inputs(new, sig)
         new.signature = repr(sig[0]) + (" with the gradients held (a later micro-batch)" if grads_held else "")
         self.plans[sig] = new
         if "_planning" in new.extras:
@@ -318,6 +319,28 @@ def _decode_plan(text: str, local: Plan | None) -> Plan:
     if local is not None and "_planning" in local.extras:
         plan.extras["_planning"] = local.extras["_planning"]
     return plan
+
+
+def _signed(plan: Plan, sig: tuple) -> Plan:  # type: ignore[type-arg]
+    """``plan`` with the signature it was made for in its extras, for the ranks that take it (:func:`from_rank0`)."""
+    plan.extras["planned_for"] = repr(sig)
+    return plan
+
+
+def _check_same_inputs(plan: Plan, sig: tuple) -> None:  # type: ignore[type-arg]
+    """Under DDP every rank runs rank 0's plan, made and verified for rank 0's inputs: a rank whose inputs differ
+    (dynamic padding, graphs of other sizes) would run a plan its step was never measured with, and, meeting a
+    new shape while another rank does not, wait for it in a collective for good. Refuse that at once."""
+    planned_for = plan.extras.pop("planned_for", repr(sig))
+    if planned_for != repr(sig):
+        import torch.distributed as dist
+
+        raise RuntimeError(
+            f"zoomem under DDP: rank {dist.get_rank()} plans for {sig!r} (inputs, training, gradients held) where "
+            f"rank 0 planned for {planned_for}. Every rank must meet each new input shape at the same step, as it takes rank 0's "
+            "plan: give every rank batches of one shape per step (pad to a fixed length, e.g. a tokenizer's "
+            "padding='max_length', or a collator's fixed size) or train in one process."
+        )
 
 
 NOISY_VARIANCE = 0.1
