@@ -111,7 +111,8 @@ class _Planning:
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
 
 
-def plan_key(batch: Batch, training: bool = True, grads_held: bool = False) -> tuple[tuple, bool, bool]:  # type: ignore[type-arg]
+def plan_key(batch: Batch, training: bool = True,
+             grads_held: bool = False) -> tuple[tuple, bool, bool]:  # type: ignore[type-arg]
     """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
     train mode) and whether the step starts with the gradients held (a later micro-batch of accumulation)."""
     return (Batch(batch.args, batch.kwargs).signature(), training, grads_held)
@@ -209,7 +210,7 @@ class _Handle:
         first = plan_key(batch, self.model.training)
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
-            if grads_held and first in self.plans and meter_busy(quiet=True):
+            if grads_held and (first in self.plans or self._larger_plan(first) is not None) and meter_busy(quiet=True):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
         cached = self.plans.get(sig)
@@ -337,9 +338,9 @@ def _check_same_inputs(plan: Plan, sig: tuple) -> None:  # type: ignore[type-arg
 
         raise RuntimeError(
             f"zoomem under DDP: rank {dist.get_rank()} plans for {sig!r} (inputs, training, gradients held) where "
-            f"rank 0 planned for {planned_for}. Every rank must meet each new input shape at the same step, as it takes rank 0's "
-            "plan: give every rank batches of one shape per step (pad to a fixed length, e.g. a tokenizer's "
-            "padding='max_length', or a collator's fixed size) or train in one process."
+            f"rank 0 planned for {planned_for}. Every rank must meet each new input shape at the same step, as it "
+            "takes rank 0's plan: give every rank batches of one shape per step (pad to a fixed length, e.g. a "
+            "tokenizer's padding='max_length', or a collator's fixed size) or train in one process."
         )
 
 
