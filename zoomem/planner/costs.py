@@ -114,6 +114,9 @@ class CostModel:
     ddp_bytes: int = 0
     """DDP's gradient buckets (:func:`zoomem.runtime.distributed.bucket_bytes`), part of :attr:`fixed_bytes`: held
     for the whole step where the model trains inside a ``DistributedDataParallel``."""
+    grads_in_buckets: bool = False
+    """DDP's ``gradient_as_bucket_view=True``: the gradients are views into its buckets (:attr:`ddp_bytes`), so the
+    points are the plain step's measured with the gradients present, without their bytes on top."""
     optimizer_gain: int = 0
     """What the compact forms outside the units take off what the backward leaves: a fused LM-head loss that skips
     the logits leaves the loop no logits to hold (:meth:`optimizer_step`)."""

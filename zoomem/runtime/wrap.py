@@ -427,15 +427,22 @@ def cost_model(
                                                                {u: chosen[u] for u in early})
     costs.take_rises(graph)
     used = footprint(optimizer)
-    costs.ddp_bytes = bucket_bytes(ddp_of(model))  # (under DDP: planned inside the forward it makes)
+    ddp = ddp_of(model)  # (under DDP: planned inside the forward it makes)
+    costs.ddp_bytes = bucket_bytes(ddp)
     costs.fixed_bytes += used.state + costs.ddp_bytes
+    costs.grads_in_buckets = bool(costs.ddp_bytes and getattr(ddp, "gradient_as_bucket_view", False))
+    costs.grads_held = grads_held
+    end = graph.timeline[-1].end_bytes if graph.timeline else 0
+    if (grads_held or costs.grads_in_buckets) and graph.timeline:
+        held = measure_timeline(model, batch, loss, units, grads=True)
+        _hold_grads(costs, model, held)
+        if costs.grads_in_buckets and held:
+            end = held[-1].end_bytes  # the gradients are the buckets, in the fixed bytes
     if optimizer is not None and graph.timeline:  # the backward leaves its end; the step allocates on top
         costs.optimizer_scratch = used.scratch
-        costs.optimizer_bytes = graph.timeline[-1].end_bytes + costs.optimizer_scratch
+        costs.optimizer_bytes = end + costs.optimizer_scratch
         if costs.outside_gain:  # (measured: the outside forms' timeline matches the plain one's)
             costs.optimizer_gain = graph.timeline[-1].end_bytes - graph.timeline_outside[-1].end_bytes
-    if grads_held and graph.timeline:
-        _hold_grads(costs, model, measure_timeline(model, batch, loss, units, grads=True))
     costs.backward_windows = windows or []
     costs.forward_windows = forward_windows or []
     return costs, chosen, graph
@@ -445,12 +452,18 @@ def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat])
     """Raise every memory point of ``costs`` to what ``timeline``, the plain step measured with the gradients
     present, has there, plus those gradients' bytes: present from the start, they add to the forward whole, and
     to the backward what the first micro-batch had not made by then (its backward adds into them instead).
-    A point that timeline lacks gets the gradients' bytes whole."""
+    A point that timeline lacks gets the gradients' bytes whole. Where the gradients are DDP's buckets
+    (``costs.grads_in_buckets``), counted in the fixed bytes, each point is what ``timeline`` has there: the
+    backward makes no gradient of its own (DDP copies each into its bucket and frees it)."""
+    if costs.grads_in_buckets:
+        held = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
+        for p in costs.points:
+            p.measured = held.get((p.phase, p.seg), p.measured)
+        return
     grads = _grad_bytes(model)
     held = {(p.phase, p.seg): p.measured + grads for p in _points(timeline, len(costs.units) + 1)}
     for p in costs.points:
         p.measured = max(p.measured, held.get((p.phase, p.seg), p.measured + grads))
-    costs.grads_held = True
 
 
 def _grad_bytes(model: nn.Module) -> int:
@@ -960,10 +973,11 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
     """The peak of one real step under ``candidate`` (fixed bytes included): its forward and backward as measured
     (started with the gradients present where ``costs`` was made so), the optimizer's step as ``costs`` predicts
     it under ``candidate``'s forms (planning cannot step the real one)."""
-    timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units, grads=costs.grads_held)
+    timeline = _measured_timeline(handle, candidate, batch, adapter, loss_fn, units,
+                                  grads=costs.grads_held or costs.grads_in_buckets)
     if not timeline:
         return None
-    held = _grad_bytes(handle.model) if costs.grads_held else 0
+    held = _grad_bytes(handle.model) if costs.grads_held and not costs.grads_in_buckets else 0
     return costs.fixed_bytes + max(held + max(t.peak_bytes for t in timeline),
                                    costs.optimizer_step(_compact_of(candidate)))
 
