@@ -372,9 +372,13 @@ def holder_bytes(*holders: Any, device: torch.device | str = "cpu") -> int:
 def _ddp_buckets(holder: Any, device: torch.device) -> int:
     """A DDP holder's gradient buckets, which no Python object exposes as tensors (where they are the gradients,
     ``gradient_as_bucket_view=True`` after a backward, the gradients' storages counted them already)."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from .runtime.distributed import bucket_bytes
 
-    params = list(holder.parameters()) if isinstance(holder, torch.nn.Module) else []
+    if not isinstance(holder, DistributedDataParallel):  # (every other holder: nothing to walk)
+        return 0
+    params = list(holder.parameters())
     if not params or params[0].device.type != device.type:
         return 0
     if getattr(holder, "gradient_as_bucket_view", False) and any(p.grad is not None for p in params):

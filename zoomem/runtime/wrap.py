@@ -210,7 +210,8 @@ class _Handle:
         first = plan_key(batch, self.model.training)
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
-            if grads_held and (first in self.plans or self._larger_plan(first) is not None) and meter_busy(quiet=True):
+            if grads_held and meter_busy(quiet=True) and (
+                    first in self.plans or self._larger_plan(first) is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
         cached = self.plans.get(sig)
@@ -455,15 +456,11 @@ def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat])
     A point that timeline lacks gets the gradients' bytes whole. Where the gradients are DDP's buckets
     (``costs.grads_in_buckets``), counted in the fixed bytes, each point is what ``timeline`` has there: the
     backward makes no gradient of its own (DDP copies each into its bucket and frees it)."""
-    if costs.grads_in_buckets:
-        held = {(p.phase, p.seg): p.measured for p in _points(timeline, len(costs.units) + 1)}
-        for p in costs.points:
-            p.measured = held.get((p.phase, p.seg), p.measured)
-        return
-    grads = _grad_bytes(model)
+    grads = 0 if costs.grads_in_buckets else _grad_bytes(model)
     held = {(p.phase, p.seg): p.measured + grads for p in _points(timeline, len(costs.units) + 1)}
     for p in costs.points:
-        p.measured = max(p.measured, held.get((p.phase, p.seg), p.measured + grads))
+        at = held.get((p.phase, p.seg), p.measured + grads)
+        p.measured = at if costs.grads_in_buckets else max(p.measured, at)
 
 
 def _grad_bytes(model: nn.Module) -> int:
