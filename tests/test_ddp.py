@@ -69,7 +69,8 @@ def test_a_plan_under_ddp_counts_its_gradient_buckets(gloo: None, view: bool) ->
 
 def test_a_plan_made_outside_ddps_forward_counts_the_buckets_of_the_ddp_named(gloo: None) -> None:
     """``wrap(batch=...)`` plans at once, outside any DDP forward: :func:`holding` names the container (as
-    ``zoomem.accelerate.prepare`` does; through ``torch.compile``'s wrapper too); without it no buckets are known."""
+    ``zoomem.accelerate.prepare`` does; through ``torch.compile``'s wrapper too); without it no buckets are known.
+    An infeasible budget's error names them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
     ddp = DistributedDataParallel(model)
@@ -79,6 +80,9 @@ def test_a_plan_made_outside_ddps_forward_counts_the_buckets_of_the_ddp_named(gl
         zoomem.wrap(model, batch=torch.randn(32, 64), level="L0")
     assert [p.ddp_bytes for p in plans(model)] == [bucket_bytes(ddp)] and bucket_bytes(ddp) > 0
     zoomem.unwrap(model)
+    with holding(ddp), pytest.raises(zoomem.InfeasibleBudgetError, match="and DDP's gradient buckets"):
+        zoomem.wrap(model, 4096, batch=torch.randn(32, 64))  # the error names what the fixed bytes hold
+    assert not zoomem.is_wrapped(model)
     zoomem.wrap(model, batch=torch.randn(32, 64), level="L0")
     assert [p.ddp_bytes for p in plans(model)] == [0]
     zoomem.unwrap(model)
