@@ -86,3 +86,34 @@ def test_a_plan_made_outside_ddps_forward_counts_the_buckets_of_the_ddp_named(gl
     zoomem.wrap(model, batch=torch.randn(32, 64), level="L0")
     assert [p.ddp_bytes for p in plans(model)] == [0]
     zoomem.unwrap(model)
+
+
+def _event_names(trace: object) -> set[str]:
+    names: set[str] = set()
+    stack = list(trace.experimental_event_tree())  # type: ignore[attr-defined]
+    while stack:
+        event = stack.pop()
+        names.add(event.name)
+        stack.extend(event.children)
+    return names
+
+
+def test_the_cpu_meter_records_no_gloo_collective(gloo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo ends a collective's record function on its worker thread after the collective's future has completed,
+    so a DDP step's all-reduce can end after backward returned and the meter closed, writing into the closed
+    session's freed records (a 2-process CI run aborted with heap corruption right after a metered DDP step). The
+    meter's session records none of them, and still its marks; a plain profiler session records the all-reduce."""
+    ddp = DistributedDataParallel(nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as plain:
+        ddp(x).sum().backward()
+    assert "gloo:all_reduce" in _event_names(plain.profiler.kineto_results)
+
+    traces: list[object] = []
+    disable = torch.autograd._disable_profiler
+    monkeypatch.setattr(torch.autograd, "_disable_profiler", lambda: traces.append(disable()) or traces[-1])
+    report = measure_step(ddp, zoomem.Batch(args=(x,)), lambda out, batch: out.sum())
+    names = _event_names(traces[0])
+    assert not {n for n in names if n.startswith("gloo:")}
+    assert {"zoomem::mark::forward", "zoomem::mark::backward"} <= names
+    assert report.peak_delta_bytes > 0

@@ -16,6 +16,12 @@ option loses the main thread's allocations in torch 2.14), and only blocks from 
 NumPy's or a library's own ``malloc``). The first time a pre-window block is freed inside a window, c10 logs
 "Memory block of unknown size was allocated before the profiling started" once to stderr; it is harmless.
 
+The CPU session records no ``USER_SCOPE`` record functions (``torch.profiler.record_function``, DDP's forward
+label, gloo's collectives): gloo ends a collective's record function on its worker thread after the collective's
+future has completed, so the gradient all-reduce of a DDP step can end after backward returned and the meter
+closed, and write through the closed session's freed records (heap corruption; a 2-process CI run aborted with
+"malloc(): unsorted double linked list corrupted" right after a metered DDP step). Marks are ``FUNCTION``-scope.
+
 >>> model = torch.nn.Linear(4, 4)
 >>> with MemoryMeter(model) as meter:
 ...     y = model(torch.zeros(8, 4))
@@ -144,7 +150,7 @@ class MemoryMeter:
         self._report: MemoryReport | None = None
         self._baseline = 0
         self._cuda_phases: list[PhaseStat] = []
-        self._profiler: torch.profiler.profile | None = None
+        self._tracing = False
 
     # -- window -------------------------------------------------------------------------------------------------
 
@@ -170,10 +176,8 @@ class MemoryMeter:
                 )
             self._baseline = holder_bytes(*holders, device=self.device)
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's USDT/ERROR stderr lines; read at first start
-            self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
-            self._profiler.__enter__()
+            _start_trace()
+            self._tracing = True
         del holders
         self._open = True
         _active_meter = self
@@ -191,11 +195,11 @@ class MemoryMeter:
                 tail_peak = torch.cuda.max_memory_allocated(self.device)
                 self._report = self._build_cuda_report(tail_peak)
             else:
-                profiler, self._profiler = self._profiler, None
-                assert profiler is not None
-                profiler.__exit__(None, None, None)
-                self._report = self._build_cpu_report(profiler)
-                del profiler
+                assert self._tracing
+                self._tracing = False
+                trace = torch.autograd._disable_profiler()
+                self._report = self._build_cpu_report(trace)
+                del trace
         except Exception:
             if exc and exc[0] is not None:  # don't hide the step's own error behind the meter's
                 logger.warning("MemoryMeter could not build its report after the step failed", exc_info=True)
@@ -217,7 +221,7 @@ class MemoryMeter:
         if name in self._marks:
             raise ValueError(f"Mark {name!r} was already used in this window (marks so far: {self._marks}).")
         self._marks.append(name)
-        with torch.profiler.record_function(_MARK_PREFIX + name):  # CPU: its start time cuts the trace
+        with torch._C._profiler._RecordFunctionFast(_MARK_PREFIX + name):  # CPU: its start time cuts the trace
             pass
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -252,8 +256,8 @@ class MemoryMeter:
         peak = max([tail_peak] + [p.peak_bytes for p in self._cuda_phases])
         return self._finish(self._cuda_phases, max(peak - self._baseline, 0))
 
-    def _build_cpu_report(self, profiler: torch.profiler.profile) -> MemoryReport:
-        events, mark_times = _read_trace(profiler)
+    def _build_cpu_report(self, trace: Any) -> MemoryReport:
+        events, mark_times = _read_trace(trace)
         missing = [m for m in self._marks if m not in mark_times]
         if missing:
             raise RuntimeError(
@@ -456,12 +460,25 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
-def _read_trace(profiler: torch.profiler.profile) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
-    """CPU allocation events ``(time_ns, bytes, ptr)`` sorted by time (frees negative), and mark start times."""
+def _start_trace() -> None:
+    """Open the CPU meter's profiler session: allocations recorded, record functions of every scope but
+    ``USER_SCOPE`` (see the module's docstring: gloo ends those on its own thread, possibly after the session)."""
+    from torch._C._profiler import ProfilerActivity, RecordScope, _ExperimentalConfig
+    from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    scopes = {s for s in RecordScope.__members__.values() if s != RecordScope.USER_SCOPE}
+    _prepare_profiler(config, {ProfilerActivity.CPU})
+    _enable_profiler(config, {ProfilerActivity.CPU}, scopes)
+
+
+def _read_trace(trace: Any) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+    """CPU allocation events ``(time_ns, bytes, ptr)`` sorted by time (frees negative), and mark start times, of
+    the result of ``torch.autograd._disable_profiler()``."""
     allocation = torch._C._profiler._EventType.Allocation
     events: list[tuple[int, int, int]] = []
     marks: dict[str, int] = {}
-    stack = list(reversed(profiler.profiler.kineto_results.experimental_event_tree()))
+    stack = list(reversed(trace.experimental_event_tree()))
     while stack:  # pre-order, iterative: deep models give deep trees
         event = stack.pop()
         if event.tag == allocation:
