@@ -22,10 +22,10 @@ What it checks, and why:
   shard or replace the parameters and run their own hooks around forward and backward, while zoomem traces a
   whole training step inside the first forward: :func:`check_distributed_type` refuses them with
   :class:`UnsupportedDistributedError`, naming what to use instead.
-- Every rank plans on its own batch, then takes rank 0's plan (``zoomem.runtime.distributed``): the same units
-  recomputed and, with compression, the same bits, from sensitivities averaged over the ranks. Every rank must
-  therefore plan at the same steps, on batches of the same shapes (Accelerate's default ``even_batches=True``
-  gives that). An infeasible budget on rank 0 raises on every rank.
+- Lossless plans are per rank: each rank plans for its own inputs when it meets them (dynamic padding trains).
+  Lossy plans share their bits: every rank plans on its own batch, then takes rank 0's plan, from sensitivities
+  averaged over the ranks (``zoomem.runtime.distributed``), so every rank must meet inputs of one shape at each
+  step; where they differ, every rank raises at that step.
 """
 
 from __future__ import annotations

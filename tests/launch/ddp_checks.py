@@ -6,7 +6,8 @@ Modes:
 - ``train``: the DDP checks in one launch (process start-up and imports are most of the cost), each section on a
   fresh ``Accelerator`` and a fresh model: a lossless budget against plain Accelerate (parameters after three
   steps), compression bits and sensitivities per rank, bf16 with gradient accumulation and clipping, the HF
-  Trainer with and without ``ZoomemCallback``, and ``save_state`` after ``K`` steps followed by two more steps.
+  Trainer with and without ``ZoomemCallback``, ranks meeting inputs of different shapes (:data:`SHAPES`), and
+  ``save_state`` after ``K`` steps followed by two more steps.
 - ``resume``: a fresh launch that ``load_state``s that checkpoint and runs the same two steps.
 
 Each rank trains on its own batches (seeded by step and rank), so parameters stay equal across ranks only if DDP
@@ -255,20 +256,47 @@ def resume(out: dict[str, Any], ckpt: Path) -> None:
     out["resume_plan"] = plan_info(model)
 
 
+SHAPES = ((64, 56), (64, 60), (48, 40))
+"""Per step, rank 0's and rank 1's sequence lengths: dynamic padding, where at step 1 only rank 1 meets a length it
+has no plan for, and at step 2 both meet lengths no larger than planned ones."""
+
+
 def shapes(out: dict[str, Any]) -> None:
-    """Ranks whose inputs differ in shape at a planning step (dynamic padding): each would run rank 0's plan, and a
-    rank meeting a new shape while the other does not would wait for it for good. Rank 1 refuses at once with an
-    error that says what to do; rank 0, whose plan it is, trains on (no DDP here, so nothing waits for rank 1)."""
+    """Dynamic padding under DDP. Lossless: each rank plans for its own inputs when it meets them (rank 1 alone at
+    step 1, with no collective for rank 0 to wait in) and reuses a larger length's plan; the DDP steps give plain
+    Accelerate's losses and parameters. Lossy (L2, bits shared by every rank): both ranks raise at the first step
+    whose shapes differ, instead of one planning alone while the other waits for good."""
+    params = {}
+    for how in ("plain", "helper"):
+        acc = fresh_accelerator()
+        model, opt = setup(acc, how, **({} if how == "plain" else {"budget": LOSSLESS}))
+        torch.manual_seed(1234 + acc.process_index)  # the same dropout masks in both runs
+        losses = []
+        for step, lengths in enumerate(SHAPES):
+            cut = lengths[acc.process_index]
+            loss = model(**{k: v[:, :cut] if v.dim() == 2 else v for k, v in batch(step, acc.process_index).items()}).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out[f"shapes_{how}_losses"] = losses
+        params[how] = flat(model.parameters())
+    out["shapes_max_param_diff"] = (params["helper"] - params["plain"]).abs().max().item()
+    out["shapes_param_checksum"] = params["helper"].sum().item()  # compared across ranks
+    out["shapes_plans"] = [p.signature for p in za.plans(model)]
     acc = fresh_accelerator()
-    model, _ = model_and_opt()
-    zoomem.wrap(model, budget=LOSSLESS)
-    b = {k: v[:, : SEQ - 8 * acc.process_index] if v.dim() == 2 else v for k, v in batch(0, acc.process_index).items()}
-    try:
-        model(**b).loss.backward()
-        out["shapes_error"] = None
-    except RuntimeError as exc:
-        out["shapes_error"] = str(exc)
-    zoomem.unwrap(model)
+    model, opt = setup(acc, "helper", level="L2")
+    out["shapes_lossy_error"] = None
+    for step in range(2):
+        cut = SEQ - 8 * step * acc.process_index  # one shape at step 0, two at step 1
+        try:
+            loss = model(**{k: v[:, :cut] if v.dim() == 2 else v for k, v in batch(step, acc.process_index).items()}).loss
+        except RuntimeError as exc:
+            out["shapes_lossy_error"], out["shapes_lossy_step"] = str(exc), step
+            break
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     torch.distributed.barrier()
 
 

@@ -1,23 +1,25 @@
-"""What data-parallel ranks must agree on (sensitivities, averaged; plans, rank 0's for every rank), and what DDP
-holds beside the model (its gradient buckets, which a plan's budget counts).
+"""What data-parallel ranks must agree on, and what DDP holds beside the model (its gradient buckets, which a
+plan's budget counts).
 
-Each rank traces and measures its own step, so measured times, verified peaks and sensitivities differ a little
-by rank; a plan made from them could then differ too (other bits, other recomputed units), and one rank could
-even find the budget infeasible while the others train on. Every collective here is a no-op without an
-initialised process group of more than one rank.
+Lossy plans keep bits per saved tensor that every rank must share: their sensitivities are averaged over ranks
+and every rank takes rank 0's plan (:func:`all_reduce_mean`, :func:`from_rank0`), so those ranks plan together,
+at the same steps and for inputs of one shape (:func:`same_everywhere`). Lossless plans need none of this: each
+rank plans for its own inputs, when it meets them, with no collective. Every collective here is a no-op without
+an initialised process group of more than one rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import sys
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["world_size", "all_reduce_mean", "from_rank0", "bucket_bytes", "ddp_of", "holding"]
+__all__ = ["world_size", "all_reduce_mean", "from_rank0", "same_everywhere", "bucket_bytes", "ddp_of", "holding"]
 
 T = TypeVar("T")
 
@@ -74,6 +76,35 @@ def from_rank0(make: Callable[[], T], encode: Callable[[T], str], decode: Callab
     if kind == "error":
         raise error if error is not None else value  # type: ignore[misc]
     return decode(value, local)  # type: ignore[arg-type]
+
+
+_SIDE: list[Any] = []
+"""The gloo group :func:`same_everywhere` reduces over where the default group is not gloo (made once, lazily)."""
+
+
+def _cpu_group() -> Any:
+    """A group whose collectives take CPU tensors: the default one under gloo, else a gloo group of every rank
+    (a per-step check over NCCL would wait for the device)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    if not _SIDE or _SIDE[0][0] is not dist.group.WORLD:
+        _SIDE[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _SIDE[0][1]
+
+
+def same_everywhere(key: str) -> bool:
+    """Whether every rank passes the same ``key`` (one all-reduce of two integers: a 56-bit hash and its negation,
+    by maximum). Every rank must call it at the same point."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return True
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+    vec = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return int(vec[0]) == -int(vec[1])
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -41,7 +41,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
-from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, world_size
+from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, same_everywhere, world_size
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
@@ -214,6 +214,8 @@ class _Handle:
                     first in self.plans or self._larger_plan(first) is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
+        if self.lossy and not same_everywhere(repr(sig)):
+            _refuse_other_shapes(sig)
         cached = self.plans.get(sig)
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
@@ -226,12 +228,14 @@ class _Handle:
                        "(predicted peak %.1f MiB at the larger inputs)", type(self.model).__name__,
                        larger.predicted_peak_bytes / _MIB)
             return larger
-        with self.planning_scope():
-            new = from_rank0(lambda: _signed(_seeing_the_loss(lambda: _make(
+        def make() -> Plan:
+            return _seeing_the_loss(lambda: _make(
                 self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
                 self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
-                grads_held=grads_held)), sig), _encode_plan, _decode_plan)
-        _check_same_inputs(new, sig)
+                grads_held=grads_held))
+
+        with self.planning_scope():  # lossless: each rank its own plan, for its own inputs, with no collective
+            new = from_rank0(make, _encode_plan, _decode_plan) if self.lossy else make()
         new.signature = repr(sig[0]) + (" with the gradients held (a later micro-batch)" if grads_held else "")
         self.plans[sig] = new
         if "_planning" in new.extras:
@@ -252,14 +256,18 @@ class _Handle:
         )
         return new
 
+    @property
+    def lossy(self) -> bool:
+        """Whether plans may store tensors lossily (a lossy level, or ``compress``): their bits are per tensor,
+        measured at one shape, and shared by every DDP rank."""
+        return self.compress is not None or (self.level is not None and self.level.lossy)
+
     def _larger_plan(self, sig: tuple) -> Plan | None:  # type: ignore[type-arg]
         """A plan made for inputs at least as large as ``sig``'s (:func:`~zoomem.batch.no_larger`; the same train
         mode and gradients flag), the one recomputing least, where such a plan may run ``sig``'s step: activations
         only shrink with the inputs, and lossless decisions (keep, recompute, compact forms) do not depend on
-        shapes. Not for lossy plans (their bits and groups are per tensor, measured at one shape), nor under DDP
-        (ranks must plan at the same steps: each new shape takes part in rank 0's plan)."""
-        if not self.reuse_plans or self.compress is not None or (self.level is not None and self.level.lossy) \
-                or world_size() > 1:
+        shapes. Not for lossy plans (their bits and groups are per tensor, measured at one shape)."""
+        if not self.reuse_plans or self.lossy:
             return None
         fits = [p for k, p in self.plans.items() if k[1:] == sig[1:] and not p.bits and no_larger(sig[0], k[0])]
         return min(fits, key=lambda p: p.recompute_s, default=None)
@@ -323,26 +331,20 @@ def _decode_plan(text: str, local: Plan | None) -> Plan:
     return plan
 
 
-def _signed(plan: Plan, sig: tuple) -> Plan:  # type: ignore[type-arg]
-    """``plan`` with the signature it was made for in its extras, for the ranks that take it (:func:`from_rank0`)."""
-    plan.extras["planned_for"] = repr(sig)
-    return plan
+def _refuse_other_shapes(sig: tuple) -> None:  # type: ignore[type-arg]
+    """Lossy plans under DDP: every rank takes rank 0's bits, measured at rank 0's inputs, so the ranks plan
+    together and must meet inputs of one shape at every step (:func:`~zoomem.runtime.distributed.same_everywhere`
+    says whether they do). Where they do not, every rank raises here, at the same step, instead of one rank
+    planning alone while the others wait in a collective for good."""
+    import torch.distributed as dist
 
-
-def _check_same_inputs(plan: Plan, sig: tuple) -> None:  # type: ignore[type-arg]
-    """Under DDP every rank runs rank 0's plan, made and verified for rank 0's inputs: a rank whose inputs differ
-    (dynamic padding, graphs of other sizes) would run a plan its step was never measured with, and, meeting a
-    new shape while another rank does not, wait for it in a collective for good. Refuse that at once."""
-    planned_for = plan.extras.pop("planned_for", repr(sig))
-    if planned_for != repr(sig):
-        import torch.distributed as dist
-
-        raise RuntimeError(
-            f"zoomem under DDP: rank {dist.get_rank()} plans for {sig!r} (inputs, training, gradients held) where "
-            f"rank 0 planned for {planned_for}. Every rank must meet each new input shape at the same step, as it "
-            "takes rank 0's plan: give every rank batches of one shape per step (pad to a fixed length, e.g. a "
-            "tokenizer's padding='max_length', or a collator's fixed size) or train in one process."
-        )
+    raise RuntimeError(
+        f"zoomem under DDP: rank {dist.get_rank()} meets {sig!r} (inputs, training, gradients held) at this step, "
+        "where another rank meets inputs of another shape. Lossy plans (compression levels, compress='auto') keep "
+        "bits per saved tensor that every rank shares, measured at one shape: give every rank batches of one shape "
+        "per step (pad to a fixed length, e.g. a tokenizer's padding='max_length', or a collator's fixed size), "
+        "or train with a lossless budget, whose plans are made per rank for its own inputs."
+    )
 
 
 NOISY_VARIANCE = 0.1
