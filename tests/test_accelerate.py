@@ -222,8 +222,10 @@ def test_prepare_single_process_plans_eagerly_and_logs_once(fresh_accelerate: No
 
 
 def test_trainer_callback_under_ddp(ddp: SimpleNamespace) -> None:
-    """The Trainer (2 processes, DDP built before on_train_begin) with ZoomemCallback: the callback wraps the
-    module inside DDP; losses and parameters equal the run without it, on both ranks; unwrapped at the end."""
+    """The Trainer (2 processes, DDP built before on_train_begin) with ZoomemCallback and dynamic padding: the
+    callback wraps the module inside DDP, and each rank plans for the lengths it meets (they differ between the
+    ranks); losses and parameters equal the run without it, on both ranks; unwrapped at the end."""
+    assert ddp.ranks[0]["trainer_lengths"] != ddp.ranks[1]["trainer_lengths"]
     for r in ddp.ranks:
         plain, wrapped = r["trainer_plain"], r["trainer_zoomem"]
         assert wrapped["container"] == "DistributedDataParallel"

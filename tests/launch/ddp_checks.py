@@ -67,14 +67,17 @@ def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
 
 
 class Rows(torch.utils.data.Dataset):
-    """``n`` single examples for the HF Trainer (its collator stacks them into batches)."""
+    """``n`` single examples for the HF Trainer (its collator stacks them into batches); ``varied``: rows of 40 to
+    64 tokens, unpadded, for a collator that pads each batch to its longest row."""
 
-    def __init__(self, n: int = 48) -> None:
+    def __init__(self, n: int = 48, varied: bool = False) -> None:
         g = torch.Generator().manual_seed(99)
         ids = torch.randint(0, BERT["vocab_size"], (n, SEQ), generator=g)
         labels = torch.randint(0, 2, (n,), generator=g)
         mask = (torch.arange(SEQ) < SEQ - torch.arange(n)[:, None] % 4).long()
-        self.rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+        lengths = [40 + (7 * i) % 25 if varied else SEQ for i in range(n)]
+        self.rows = [{"input_ids": ids[i, :n_], "attention_mask": mask[i, :n_] if not varied else torch.ones(n_, dtype=torch.long),
+                      "labels": labels[i]} for i, n_ in enumerate(lengths)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -83,8 +86,23 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def run_trainer(out_dir: Path, callback: Any = None, max_steps: int = 3, **args: Any) -> Any:
-    """A few Trainer steps on the tiny BERT (CPU, no reports, no checkpoints); returns the Trainer."""
+PADDED: list[int] = []
+"""The lengths :func:`pad_to_longest` padded batches to, in order."""
+
+
+def pad_to_longest(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding, as the Trainer's default ``DataCollatorWithPadding`` does: each batch to its longest row."""
+    n = max(len(r["input_ids"]) for r in rows)
+    PADDED.append(n)
+    pad = lambda t: torch.nn.functional.pad(t, (0, n - len(t)))  # noqa: E731
+    return {"input_ids": torch.stack([pad(r["input_ids"]) for r in rows]),
+            "attention_mask": torch.stack([pad(r["attention_mask"]) for r in rows]),
+            "labels": torch.stack([r["labels"] for r in rows])}
+
+
+def run_trainer(out_dir: Path, callback: Any = None, max_steps: int = 3, dynamic: bool = False, **args: Any) -> Any:
+    """A few Trainer steps on the tiny BERT (CPU, no reports, no checkpoints); returns the Trainer. ``dynamic``:
+    rows of several lengths, each batch padded to its longest (:func:`pad_to_longest`)."""
     from transformers import Trainer, TrainingArguments
 
     AcceleratorState._reset_state()
@@ -94,7 +112,8 @@ def run_trainer(out_dir: Path, callback: Any = None, max_steps: int = 3, **args:
         output_dir=str(out_dir), use_cpu=True, report_to=[], max_steps=max_steps, per_device_train_batch_size=BATCH,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, **args,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[callback] if callback else None)
+    trainer = Trainer(model=model, args=targs, train_dataset=Rows(varied=dynamic),
+                      data_collator=pad_to_longest if dynamic else None, callbacks=[callback] if callback else None)
     trainer.train()
     return trainer
 
@@ -210,13 +229,16 @@ def bf16(out: dict[str, Any]) -> None:
 
 
 def trainer(out: dict[str, Any], out_dir: Path) -> None:
-    """The HF Trainer under DDP, plain and with ZoomemCallback (a recomputing budget): the same losses and
-    parameters; the callback wraps the module the Trainer's DDP container holds."""
+    """The HF Trainer under DDP with dynamic padding (each rank's batches padded to their longest row), plain and
+    with ZoomemCallback (a recomputing budget): the same losses and parameters; the callback wraps the module the
+    Trainer's DDP container holds, and each rank plans for the lengths it meets."""
     from zoomem.hf_trainer import ZoomemCallback
 
-    plain = run_trainer(out_dir)
+    plain = run_trainer(out_dir, dynamic=True)
     cb = ZoomemCallback(LOSSLESS, expect_processes=2)
-    wrapped = run_trainer(out_dir, cb)
+    PADDED.clear()
+    wrapped = run_trainer(out_dir, cb, dynamic=True)
+    out["trainer_lengths"] = list(PADDED)
     for name, t in (("plain", plain), ("zoomem", wrapped)):
         out[f"trainer_{name}"] = {
             "losses": [h["loss"] for h in t.state.log_history if "loss" in h],
