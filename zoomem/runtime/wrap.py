@@ -260,7 +260,7 @@ class _Handle:
     def lossy(self) -> bool:
         """Whether plans may store tensors lossily (a lossy level, or ``compress``): their bits are per tensor,
         measured at one shape, and shared by every DDP rank."""
-        return self.compress is not None or (self.level is not None and self.level.lossy)
+        return _lossy(self.level, self.compress)
 
     def _larger_plan(self, sig: tuple) -> Plan | None:  # type: ignore[type-arg]
         """A plan made for inputs at least as large as ``sig``'s (:func:`~zoomem.batch.no_larger`; the same train
@@ -297,6 +297,11 @@ class _Handle:
         _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
+
+
+def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
+    """Whether plans made with ``level`` or ``compress`` may store tensors lossily."""
+    return compress is not None or (level is not None and level.lossy)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -509,7 +514,7 @@ def _make(
 ) -> Plan:
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
-    lossy = (level is not None and level.lossy) or compress is not None
+    lossy = _lossy(level, compress)
     scale = _first_scale(batch, trace_batch_size) if graph is None else None
     (costs, chosen, graph), scale = _fitting(
         batch, adapter, scale, "tracing the step",
