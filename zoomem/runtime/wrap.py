@@ -226,7 +226,7 @@ class _Handle:
             self.plans[sig] = larger
             _log_rank0("zoomem: %s's new input signature is no larger than one planned already: it runs that plan "
                        "(predicted peak %.1f MiB at the larger inputs)", type(self.model).__name__,
-                       larger.predicted_peak_bytes / _MIB)
+                       larger.predicted_peak_bytes / _MIB, every_rank=True)
             return larger
         def make() -> Plan:
             return _seeing_the_loss(lambda: _make(
@@ -252,7 +252,7 @@ class _Handle:
             "zoomem: planned %s for a new input signature%s: %d of %d units recomputed, predicted peak %.1f MiB "
             "(PyTorch %.1f MiB)", type(self.model).__name__,
             ", the step starting with the gradients held (gradient accumulation)" if grads_held else "", recomputed,
-            len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB,
+            len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
 
@@ -357,11 +357,15 @@ NOISY_VARIANCE = 0.1
 (fixed 2-bit L1.2 on a small ResNet predicts 0.73 and diverged in 1 of 5 seeds at SGD lr 0.1; L2 predicts 4e-4)."""
 
 
-def _log_rank0(msg: str, *args: Any, level: int = logging.INFO) -> None:
+def _log_rank0(msg: str, *args: Any, level: int = logging.INFO, every_rank: bool = False) -> None:
+    """Log on rank 0 only (or in one process); ``every_rank``: on every rank, prefixed with it (what one rank does
+    on its own, such as a lossless plan for its own inputs, while the others may wait for it)."""
     import torch.distributed as dist
 
-    if world_size() == 1 or dist.get_rank() == 0:
+    if world_size() == 1 or dist.get_rank() == 0 and not every_rank:
         logger.log(level, msg, *args)
+    elif every_rank:
+        logger.log(level, "zoomem (rank %d): " + msg.removeprefix("zoomem: "), dist.get_rank(), *args)
 
 
 def cost_model(
