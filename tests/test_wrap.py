@@ -1219,3 +1219,42 @@ def test_a_batch_no_larger_than_a_planned_one_runs_its_plan(caplog: pytest.LogCa
             model.zero_grad(set_to_none=True)
         assert len(plans(model)) == 2, how
     zoomem.unwrap(model)
+
+
+def test_packed_sequences_train_as_plain_pytorch() -> None:
+    """Sequence packing (TRL's ``padding_free``, HF's ``DataCollatorWithFlattening``): several sequences in one row,
+    ``position_ids`` restarting at each (HF masks attention across them). Every layer recomputed (``"all"``: at this
+    size the vocabulary-wide LM head holds most of the step, so a budget keeps the layers) gives plain PyTorch's
+    loss and gradients (to 1e-5: the zoo's fused LM-head loss reassociates), and a shorter row runs the plan of
+    the longer one."""
+    import copy
+
+    torch.manual_seed(0)
+    model, adapter = zoo.build("hf/llama", **zoo.small_overrides("hf/llama"))
+    model.train()
+    plain = copy.deepcopy(model)
+
+    def packed(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "labels": ids.clone(),
+                "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+
+    zoomem.wrap(model, strategy="all", adapter=adapter)
+    for batch in (packed([96, 64, 96], 0), packed([80, 100, 40], 1)):
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        expected, got = plain(**batch).loss, model(**batch).loss
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # the fused LM-head loss reassociates
+        with torch.no_grad():  # the packing is in effect: read as one sequence, the row's states differ
+            states = [plain.eval().model(batch["input_ids"], **kw).last_hidden_state
+                      for kw in ({"position_ids": batch["position_ids"]}, {})]
+            plain.train()
+        first = int((batch["position_ids"][0, 1:] == 0).nonzero()[0]) + 1  # the first sequence's length
+        torch.testing.assert_close(states[0][:, :first], states[1][:, :first])  # causal: the same tokens before
+        assert (states[0][:, first:] - states[1][:, first:]).abs().max() > 1e-2 * states[1].abs().max()
+        for p, q in zip(plain.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
+    assert len({id(p) for p in model._zoomem.plans.values()}) == 1
+    assert {u.decision for p in model._zoomem.plans.values() for u in p.units} == {Decision.RECOMPUTE}
