@@ -1101,3 +1101,48 @@ def test_a_units_lossy_tensors_stay_packed_through_the_backward_of_the_code_afte
            if got is not None and got > v + 1024]
     assert not low, low
     zoomem.unwrap(model)
+
+
+def test_a_forward_that_saves_other_tensors_than_planned_stores_them_exactly(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF's Llama leaves its attention mask out of a batch without padding: the same input signature then saves
+    one tensor fewer per layer, and every later key names another tensor than planned. Without the comparison an
+    L2 plan made on a padded batch quantized two tensors of other shapes than its own under their keys (with
+    groups, bits and exactness worked out for other tensors). The store compares each save with the plan's and,
+    from the first difference on, stores exactly; it warns once."""
+    from zoomem.runtime.storage import save_sig
+
+    model, adapter, batch = small("hf/llama", batch_size=8)
+    padded = dict(batch.kwargs, attention_mask=batch.kwargs["attention_mask"].clone())
+    padded["attention_mask"][:, -5:] = 0
+    full = dict(batch.kwargs, attention_mask=torch.ones_like(padded["attention_mask"]))
+    zoomem.wrap(model, level="L2", adapter=adapter)
+    model(**padded).loss.backward()  # plans on the padded batch
+    (plan,) = {id(p): p for p in model._zoomem.plans.values()}.values()
+    quantized: list[tuple[str, str]] = []  # (key, what was saved) of every tensor stored in fewer bits
+    pack = SavedTensorStore._pack
+
+    def recording(self: SavedTensorStore, t: torch.Tensor) -> Any:
+        packed = pack(self, t)
+        if getattr(packed, "quantized", None) is not None and id(packed) not in seen:  # not a duplicate's
+            seen.add(id(packed))
+            quantized.append((f"{self._region}#{self._counts[self._region] - 1}", save_sig(t.shape, t.dtype)))
+        return packed
+
+    seen: set[int] = set()
+
+    monkeypatch.setattr(SavedTensorStore, "_pack", recording)
+    model(**padded).loss.backward()
+    assert sorted(k for k, _ in quantized) == sorted(plan.bits)  # the planned batch: every lossy key
+    seen.clear()
+    for batch_kwargs in (padded, full):
+        quantized.clear()
+        seen.clear()
+        with caplog.at_level(logging.WARNING, logger="zoomem.runtime.storage"):
+            model(**batch_kwargs).loss.backward()
+        assert all(plan.saves[k] == saved for k, saved in quantized), [q for q in quantized if plan.saves[q[0]] != q[1]]
+    assert 0 < len(quantized) < len(plan.bits)  # without the mask: exact from the first difference on
+    model(**full).loss.backward()
+    warnings = [r.getMessage() for r in caplog.records if "its plan's forward saved" in r.getMessage()]
+    assert len(warnings) == 1 and "attention mask" in warnings[0], warnings

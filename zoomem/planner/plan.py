@@ -91,6 +91,9 @@ class Plan:
         ddp_bytes: DDP's gradient buckets, part of ``fixed_bytes`` (0 outside DDP): a flat copy of the gradients
             that ``DistributedDataParallel`` holds for good.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
+        saves: for a lossy plan, every saved-tensor key -> what the planned forward saved under it (shape and
+            dtype, :func:`~zoomem.runtime.storage.save_sig`): a training forward whose saves differ (control flow
+            that depends on the batch's values) stores everything exactly from the first difference on.
         traced_at: ``[small, large, batch]`` when the step was too large to trace and its costs were
             extrapolated from traces at ``small`` and ``large`` samples to the real ``batch``; empty otherwise.
     """
@@ -118,6 +121,7 @@ class Plan:
     optimizer_bytes: int = 0
     ddp_bytes: int = 0
     saved: list[dict[str, Any]] = field(default_factory=list)
+    saves: dict[str, str] = field(default_factory=dict)
     traced_at: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -13,6 +13,14 @@ tensors the same way every time. What the store does with a tensor depends on it
   recomputed from their stored forms, so the kernel's backward rebuilds probabilities that sum to one;
 - otherwise it is kept as is.
 
+The keys assume that one input signature saves the same tensors in the same order every time. A model whose
+control flow depends on the batch's values breaks that (an HF model that leaves its attention mask out of a batch
+without padding saves one tensor fewer per layer; a mixture of experts skips experts that get no tokens), and
+``bits`` would then quantize other tensors than were planned, some of which must stay exact. With ``saves`` (what
+the plan's forward saved under each key, :func:`save_sig`) the store compares every save with it; from the first
+difference on it stores every tensor exactly (:attr:`SavedTensorStore.diverged` says where) and logs a warning
+once per difference.
+
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
 gets the first one's packed object. So is a view saved beside the contiguous tensor it lies in, in either order
 (attention's output, saved transposed by attention and contiguous by the projection after it): the view becomes
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -38,7 +47,7 @@ from ..ops.attention import attention_logsumexp
 from ..ops.functional import separate_masks
 from ..planner.compression import DUPLICATE, SavedInfo, region_of
 
-__all__ = ["SavedTensorStore", "lossy_reason", "MIN_NUMEL"]
+__all__ = ["SavedTensorStore", "lossy_reason", "save_sig", "MIN_NUMEL"]
 
 MIN_NUMEL = 4096
 """Tensors smaller than this are never stored lossily: their bytes do not matter and their statistics might."""
@@ -147,6 +156,17 @@ class _Packed:
         return out
 
 
+logger = logging.getLogger(__name__)
+
+
+def save_sig(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> str:
+    """What a save is compared by (:attr:`SavedTensorStore.saves`): ``"8x64x128 torch.float32"``."""
+    return f"{'x'.join(map(str, shape))} {dtype}"
+
+
+_WARNED: set[str] = set()
+
+
 @dataclass
 class SavedTensorStore:
     """The per-forward saved-tensor policy (see the module docstring).
@@ -158,6 +178,7 @@ class SavedTensorStore:
         offload: move quantized forms to host memory until backward needs them.
         generator: the stochastic-rounding noise source (zoomem's own: the user's RNG stream is untouched).
         record: fill :attr:`infos` (and keep the tensors in :attr:`tensors`, for the sensitivity estimator).
+        saves: key -> what the plan's forward saved under it (:func:`save_sig`); empty: no comparison.
     """
 
     bits: Mapping[str, int] = field(default_factory=dict)
@@ -177,6 +198,10 @@ class SavedTensorStore:
     backward reads through them is what the stored tensor holds (:func:`zoomem.runtime.probe.probe_saved`)."""
     packed_nbytes: int = 0
     """Bytes the quantized forms of the last forward held."""
+    saves: Mapping[str, str] = field(default_factory=dict)
+    diverged: tuple[str, str, str] | None = None
+    """The first save of the last forward that differed from :attr:`saves`: its key, what was saved and what the
+    plan saved there (from there on that forward stored every tensor exactly); None if none did."""
     _region: str = "<stem>"
     _counts: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple, tuple[weakref.ref, weakref.ref, str]] = field(default_factory=dict)
@@ -226,6 +251,7 @@ class SavedTensorStore:
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._held_ptrs = "<stem>", {}, {}, {}, {}
         self._by_key = {}
+        self.diverged = None
         self._lossy_regions = frozenset(map(region_of, self.bits))
         self._bases, self._loose, self._unit_args = {}, {}, frozenset()
         self._leaves = None if model is None else frozenset(
@@ -240,6 +266,8 @@ class SavedTensorStore:
             self._by_key = {}
             if not self.record:
                 self.tensors, self.duplicates = {}, {}
+            if self.diverged is not None:
+                _warn_diverged(*self.diverged)
 
     def unit_returned(self, name: str, output: Any) -> None:
         """Recording: mark the tensors unit ``name`` saved that are (views of) what it returns. Packing them frees
@@ -262,6 +290,10 @@ class SavedTensorStore:
         k = self._counts.get(region, 0)
         self._counts[region] = k + 1
         key = f"{region}#{k}"
+        if self.saves and self.diverged is None and not self.record:
+            got, want = save_sig(t.shape, t.dtype), self.saves.get(key, "nothing")
+            if got != want:
+                self.diverged = (key, got, want)
         hit = self._seen.get(ident)
         anchor = _anchor(t)
         earlier = hit[1]() if hit is not None and hit[0]() is anchor else None
@@ -282,7 +314,7 @@ class SavedTensorStore:
         # that keeps weak references to what it saved (a GNN's shared adjacency) sees it alive until backward
         data = t if t.grad_fn is None and not t.requires_grad else t.detach()
         packed = _Packed(data, key=key, store=self) if self.record else _Packed(data)
-        bits = self.bits.get(key)
+        bits = self.bits.get(key) if self.diverged is None else None
         reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
         if bits and reason is None:
             q = quantize(t, bits, self.groups.get(key, GROUP_SIZE), generator=self.generator)
@@ -300,7 +332,7 @@ class SavedTensorStore:
                                         shares=shares)
             self.tensors[key] = t
             self._input_ptrs.setdefault(_ptr(t), []).append(key)
-        if key in self.lse_of and packed.tensor is not None:
+        if key in self.lse_of and packed.tensor is not None and self.diverged is None:
             packed.lse_of = self._lse_sources(key)
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
@@ -399,3 +431,16 @@ def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
     for leaf in pytree.tree_leaves((args, dict(kwargs))):
         if isinstance(leaf, torch.Tensor):
             yield leaf
+
+
+def _warn_diverged(key: str, got: str, want: str) -> None:
+    """Log, once per difference, that a forward left its plan's saves (see the module docstring)."""
+    msg = (f"zoomem: a training forward saved {got} as {key}, where its plan's forward saved {want}: the model's "
+           "control flow depends on the batch's values (an attention mask left out of a batch without padding, "
+           "experts that get no tokens), so its saved tensors no longer match the plan's. From there on that "
+           "forward stored every tensor exactly: its gradients carry no lossy storage it was not planned for, "
+           "but the step holds more than the plan predicted. Batches of one kind per input signature (all padded, "
+           "or a lossless budget) avoid it.")
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning(msg)

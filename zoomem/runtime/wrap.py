@@ -45,7 +45,7 @@ from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, same
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
-from .storage import SavedTensorStore
+from .storage import SavedTensorStore, save_sig
 from .chain import Chain, Recipe
 from .units import measure_recompute_backward, measure_recompute_rises, restore_buffers, run_unit
 
@@ -73,7 +73,7 @@ class _Active:
     @classmethod
     def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
         store = SavedTensorStore(bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload,
-                                 generator=generator) if plan.bits else None
+                                 generator=generator, saves=plan.saves) if plan.bits else None
         compact = _compact_of(plan)
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
         recomputes = any(d != Decision.KEEP for d in plan.decisions.values())
@@ -240,6 +240,7 @@ class _Handle:
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
+            new.saves = {i.key: save_sig(i.shape, i.dtype) for i in self.planning[sig].infos}
         if new.bits and new.variance > NOISY_VARIANCE:
             _log_rank0(
                 "zoomem: the plan's lossy storage adds gradient noise of %.2f times the squared gradient norm (%s); "
@@ -293,7 +294,7 @@ class _Handle:
 
         with self.planning_scope():
             new = from_rank0(replan, _encode_plan, _decode_plan)
-        new.signature, new.extras, new.traced_at = old.signature, dict(old.extras), old.traced_at
+        new.signature, new.extras, new.traced_at, new.saves = old.signature, dict(old.extras), old.traced_at, old.saves
         _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
