@@ -1106,8 +1106,9 @@ def test_a_units_lossy_tensors_stay_packed_through_the_backward_of_the_code_afte
 def test_a_forward_that_saves_other_tensors_than_planned_stores_them_exactly(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HF's Llama leaves its attention mask out of a batch without padding: the same input signature then saves
-    one tensor fewer per layer, and every later key names another tensor than planned. Without the comparison an
+    """HF's Llama leaves its attention mask out of a batch without padding, and SDPA then runs its fused kernel
+    instead of the math path: the same input signature saves 75 tensors instead of 231, and every key from the
+    first attention on names another tensor than planned. Without the comparison an
     L2 plan made on a padded batch quantized two tensors of other shapes than its own under their keys (with
     groups, bits and exactness worked out for other tensors). The store compares each save with the plan's and,
     from the first difference on, stores exactly; it warns once."""

@@ -15,7 +15,8 @@ tensors the same way every time. What the store does with a tensor depends on it
 
 The keys assume that one input signature saves the same tensors in the same order every time. A model whose
 control flow depends on the batch's values breaks that (an HF model that leaves its attention mask out of a batch
-without padding saves one tensor fewer per layer; a mixture of experts skips experts that get no tokens), and
+without padding runs SDPA's fused kernel there and its math path on a padded one; a mixture of experts skips
+experts that get no tokens), and
 ``bits`` would then quantize other tensors than were planned, some of which must stay exact. With ``saves`` (what
 the plan's forward saved under each key, :func:`save_sig`) the store compares every save with it; from the first
 difference on it stores every tensor exactly (:attr:`SavedTensorStore.diverged` says where) and logs a warning
