@@ -220,7 +220,8 @@ def log_plans(accelerator: Any, model: nn.Module, level: int = logging.INFO) -> 
     """Log the summary of every plan ``model`` has made, on the main process only; return the plans.
 
     Every rank plans its own step (lossless plans may differ by measured timings and by each rank's input shapes;
-    compression bits do not), so one rank's summary describes the run. Call it after the first training step: plans are made lazily.
+    compression bits do not), so one rank's summary describes the run. Call it after the first training step:
+    plans are made lazily.
     """
     found = plans(model)
     if getattr(accelerator, "is_main_process", True):

@@ -16,11 +16,10 @@ tensors the same way every time. What the store does with a tensor depends on it
 The keys assume that one input signature saves the same tensors in the same order every time. A model whose
 control flow depends on the batch's values breaks that (an HF model that leaves its attention mask out of a batch
 without padding runs SDPA's fused kernel there and its math path on a padded one; a mixture of experts skips
-experts that get no tokens), and
-``bits`` would then quantize other tensors than were planned, some of which must stay exact. With ``saves`` (what
-the plan's forward saved under each key, :func:`save_sig`) the store compares every save with it; from the first
-difference on it stores every tensor exactly (:attr:`SavedTensorStore.diverged` says where) and logs a warning
-once per difference.
+experts that get no tokens), and ``bits`` would then quantize other tensors than were planned, with groups and
+exactness worked out for others. With ``saves`` (what the plan's forward saved under each key, :func:`save_sig`)
+the store compares every save with it; from the first difference on it stores every tensor exactly
+(:attr:`SavedTensorStore.diverged` says where) and logs a warning once per difference.
 
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
 gets the first one's packed object. So is a view saved beside the contiguous tensor it lies in, in either order
