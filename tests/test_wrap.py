@@ -1235,7 +1235,8 @@ def test_packed_sequences_train_as_plain_pytorch() -> None:
     plain = copy.deepcopy(model)
 
     def packed(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=g)
         return {"input_ids": ids, "labels": ids.clone(),
                 "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
 

@@ -76,8 +76,9 @@ class Rows(torch.utils.data.Dataset):
         labels = torch.randint(0, 2, (n,), generator=g)
         mask = (torch.arange(SEQ) < SEQ - torch.arange(n)[:, None] % 4).long()
         lengths = [40 + (7 * i) % 25 if varied else SEQ for i in range(n)]
-        self.rows = [{"input_ids": ids[i, :n_], "attention_mask": mask[i, :n_] if not varied else torch.ones(n_, dtype=torch.long),
-                      "labels": labels[i]} for i, n_ in enumerate(lengths)]
+        self.rows = [{"input_ids": ids[i, :n], "labels": labels[i],
+                      "attention_mask": torch.ones(n, dtype=torch.long) if varied else mask[i, :n]}
+                     for i, n in enumerate(lengths)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -283,6 +284,11 @@ SHAPES = ((64, 56), (64, 60), (48, 40))
 has no plan for, and at step 2 both meet lengths no larger than planned ones."""
 
 
+def cut(step: int, rank: int, length: int) -> dict[str, torch.Tensor]:
+    """:func:`batch` with its sequences cut to ``length`` tokens."""
+    return {k: v[:, :length] if v.dim() == 2 else v for k, v in batch(step, rank).items()}
+
+
 def shapes(out: dict[str, Any]) -> None:
     """Dynamic padding under DDP. Lossless: each rank plans for its own inputs when it meets them (rank 1 alone at
     step 1, with no collective for rank 0 to wait in) and reuses a larger length's plan; the DDP steps give plain
@@ -295,8 +301,7 @@ def shapes(out: dict[str, Any]) -> None:
         torch.manual_seed(1234 + acc.process_index)  # the same dropout masks in both runs
         losses = []
         for step, lengths in enumerate(SHAPES):
-            cut = lengths[acc.process_index]
-            loss = model(**{k: v[:, :cut] if v.dim() == 2 else v for k, v in batch(step, acc.process_index).items()}).loss
+            loss = model(**cut(step, acc.process_index, lengths[acc.process_index])).loss
             acc.backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -310,9 +315,8 @@ def shapes(out: dict[str, Any]) -> None:
     model, opt = setup(acc, "helper", level="L2")
     out["shapes_lossy_error"] = None
     for step in range(2):
-        cut = SEQ - 8 * step * acc.process_index  # one shape at step 0, two at step 1
-        try:
-            loss = model(**{k: v[:, :cut] if v.dim() == 2 else v for k, v in batch(step, acc.process_index).items()}).loss
+        try:  # one shape at step 0, two at step 1
+            loss = model(**cut(step, acc.process_index, SEQ - 8 * step * acc.process_index)).loss
         except RuntimeError as exc:
             out["shapes_lossy_error"], out["shapes_lossy_step"] = str(exc), step
             break
