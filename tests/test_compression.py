@@ -1106,44 +1106,56 @@ def test_a_units_lossy_tensors_stay_packed_through_the_backward_of_the_code_afte
 def test_a_forward_that_saves_other_tensors_than_planned_stores_them_exactly(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HF's Llama leaves its attention mask out of a batch without padding, and SDPA then runs its fused kernel
-    instead of the math path: the same input signature saves 75 tensors instead of 231, and every key from the
-    first attention on names another tensor than planned. Without the comparison an
-    L2 plan made on a padded batch quantized two tensors of other shapes than its own under their keys (with
-    groups, bits and exactness worked out for other tensors). The store compares each save with the plan's and,
-    from the first difference on, stores exactly; it warns once."""
+    """HF's Llama leaves its attention mask out of a batch without padding: the same input signature then saves
+    one tensor fewer per layer (75 instead of 77), and every key from the first attention's on names another tensor
+    than planned. Without the comparison an L2 plan made on a padded batch quantized two tensors of other shapes
+    than its own under their keys (with groups, bits and exactness worked out for other tensors). The store
+    compares each save with the plan's and, from the first difference on, stores exactly, warning once; the next
+    step plans a variant on that batch, which batches without padding then run from where they differ."""
     from zoomem.runtime.storage import save_sig
 
     model, adapter, batch = small("hf/llama", batch_size=8)
     padded = dict(batch.kwargs, attention_mask=batch.kwargs["attention_mask"].clone())
     padded["attention_mask"][:, -5:] = 0
     full = dict(batch.kwargs, attention_mask=torch.ones_like(padded["attention_mask"]))
-    zoomem.wrap(model, level="L2", adapter=adapter)
+    zoomem.wrap(model, level="L2", adapter=adapter, sensitivity_interval=0)
     model(**padded).loss.backward()  # plans on the padded batch
-    (plan,) = {id(p): p for p in model._zoomem.plans.values()}.values()
+    model.zero_grad(set_to_none=True)
+    (plan,) = model._zoomem.plans.values()
     quantized: list[tuple[str, str]] = []  # (key, what was saved) of every tensor stored in fewer bits
+    seen: set[int] = set()
+    stores: list[SavedTensorStore] = []
     pack = SavedTensorStore._pack
 
     def recording(self: SavedTensorStore, t: torch.Tensor) -> Any:
+        stores.append(self)
         packed = pack(self, t)
         if getattr(packed, "quantized", None) is not None and id(packed) not in seen:  # not a duplicate's
             seen.add(id(packed))
             quantized.append((f"{self._region}#{self._counts[self._region] - 1}", save_sig(t.shape, t.dtype)))
         return packed
 
-    seen: set[int] = set()
-
-    monkeypatch.setattr(SavedTensorStore, "_pack", recording)
-    model(**padded).loss.backward()
-    assert sorted(k for k, _ in quantized) == sorted(plan.bits)  # the planned batch: every lossy key
-    seen.clear()
-    for batch_kwargs in (padded, full):
+    def step(kwargs: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
         quantized.clear()
         seen.clear()
-        with caplog.at_level(logging.WARNING, logger="zoomem.runtime.storage"):
-            model(**batch_kwargs).loss.backward()
-        assert all(plan.saves[k] == saved for k, saved in quantized), [q for q in quantized if plan.saves[q[0]] != q[1]]
-    assert 0 < len(quantized) < len(plan.bits)  # without the mask: exact from the first difference on
-    model(**full).loss.backward()
+        with caplog.at_level(logging.INFO, logger="zoomem"):
+            model(**kwargs).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return list(quantized)
+
+    monkeypatch.setattr(SavedTensorStore, "_pack", recording)
+    assert sorted(k for k, _ in step(padded)) == sorted(plan.bits)  # the planned batch: every lossy key
+    left = step(full)
+    assert all(plan.saves[k] == saved for k, saved in left), [q for q in left if plan.saves[q[0]] != q[1]]
+    assert 0 < len(left) < len(plan.bits)  # without the mask: exact from the first difference on
     warnings = [r.getMessage() for r in caplog.records if "its plan's forward saved" in r.getMessage()]
     assert len(warnings) == 1 and "attention mask" in warnings[0], warnings
+    step(full)  # plans a variant on the batch that left the plan, then runs it
+    (variant,) = model._zoomem.variants[plan.signature]
+    assert len(variant.saves) == len(plan.saves) - 2  # one mask a layer
+    on_variant = step(full)
+    assert all(variant.saves[k] == saved for k, saved in on_variant) and len(on_variant) > len(left)
+    assert stores[-1].diverged is None and stores[-1].saves is variant.saves  # switched, never left
+    assert sorted(k for k, _ in step(padded)) == sorted(plan.bits)  # padded batches run the plan
+    assert sum("its plan's forward saved" in r.getMessage() for r in caplog.records) == 1
+    assert sum("planned a variant" in r.getMessage() for r in caplog.records) == 1

@@ -15,8 +15,7 @@ tensors the same way every time. What the store does with a tensor depends on it
 
 The keys assume that one input signature saves the same tensors in the same order every time. A model whose
 control flow depends on the batch's values breaks that (an HF model that leaves its attention mask out of a batch
-without padding runs SDPA's fused kernel there and its math path on a padded one; a mixture of experts skips
-experts that get no tokens), and ``bits`` would then quantize other tensors than were planned, with groups and
+without padding saves one tensor fewer per layer; a mixture of experts skips experts that get no tokens), and ``bits`` would then quantize other tensors than were planned, with groups and
 exactness worked out for others. With ``saves`` (what the plan's forward saved under each key, :func:`save_sig`)
 the store compares every save with it; from the first difference on it stores every tensor exactly
 (:attr:`SavedTensorStore.diverged` says where) and logs a warning once per difference.
@@ -199,6 +198,10 @@ class SavedTensorStore:
     packed_nbytes: int = 0
     """Bytes the quantized forms of the last forward held."""
     saves: Mapping[str, str] = field(default_factory=dict)
+    variants: list[dict[str, Mapping[str, Any]]] = field(default_factory=list)
+    """Other plans for the same input signature, made on batches whose forward saved other tensors: each a dict of
+    ``saves``, ``bits``, ``groups`` and ``lse_of``. At the first save that differs from :attr:`saves`, the store
+    takes the first variant whose saves match every save so far and this one, and goes on with its bits."""
     diverged: tuple[str, str, str] | None = None
     """The first save of the last forward that differed from :attr:`saves`: its key, what was saved and what the
     plan saved there (from there on that forward stored every tensor exactly); None if none did."""
@@ -217,6 +220,7 @@ class SavedTensorStore:
     _unit_args: frozenset[int] = frozenset()
     _leaves: frozenset[int] | None = None
     _lossy_regions: frozenset[str] = frozenset()
+    _history: list[tuple[str, str]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ regions
     @contextlib.contextmanager
@@ -251,7 +255,7 @@ class SavedTensorStore:
         owns them) so nothing outlives the backward that needs it."""
         self._region, self._counts, self._seen, self._input_ptrs, self._held_ptrs = "<stem>", {}, {}, {}, {}
         self._by_key = {}
-        self.diverged = None
+        self.diverged, self._history = None, []
         self._lossy_regions = frozenset(map(region_of, self.bits))
         self._bases, self._loose, self._unit_args = {}, {}, frozenset()
         self._leaves = None if model is None else frozenset(
@@ -292,8 +296,10 @@ class SavedTensorStore:
         key = f"{region}#{k}"
         if self.saves and self.diverged is None and not self.record:
             got, want = save_sig(t.shape, t.dtype), self.saves.get(key, "nothing")
-            if got != want:
+            if got != want and not self._take_variant(key, got):
                 self.diverged = (key, got, want)
+            if self.variants:
+                self._history.append((key, got))
         hit = self._seen.get(ident)
         anchor = _anchor(t)
         earlier = hit[1]() if hit is not None and hit[0]() is anchor else None
@@ -304,7 +310,7 @@ class SavedTensorStore:
                 self.infos[key] = SavedInfo(key, region, tuple(t.shape), t.dtype, 0, f"{DUPLICATE}{base}")
                 self.duplicates[key] = t
             same = earlier if earlier is not None else view
-            if self.lse_of:  # what a log-sum-exp is recomputed from is found by key
+            if self.lse_of or self.variants:  # what a log-sum-exp is recomputed from is found by key
                 self._by_key[key] = weakref.ref(same)  # type: ignore[arg-type]
             return same  # type: ignore[return-value]
         # the data only: autograd re-attaches the saved tensor's grad_fn on unpack, and a packed object holding
@@ -337,7 +343,7 @@ class SavedTensorStore:
         # weak references only: autograd owns the packed objects, the store must not keep them (or an exact
         # tensor) alive after backward used them
         self._seen[ident] = (weakref.ref(anchor), weakref.ref(packed), key)
-        if self.lse_of:
+        if self.lse_of or self.variants:
             self._by_key[key] = weakref.ref(packed)
         where = (_ptr(t), t.dtype, t.device)
         if strided and t.is_contiguous():  # whatever its form, so that keys never depend on the bits
@@ -348,6 +354,18 @@ class SavedTensorStore:
             self._loose.setdefault(where, []).append(
                 (weakref.ref(anchor), weakref.ref(packed), *_span(t), tuple(t.shape), tuple(t.stride())))
         return packed
+
+    def _take_variant(self, key: str, got: str) -> bool:
+        """Go on with the first of :attr:`variants` whose forward saved what this one has so far (see there)."""
+        for variant in self.variants:
+            saves = variant["saves"]
+            if saves.get(key) == got and all(saves.get(k) == g for k, g in self._history):
+                self.saves, self.bits, self.groups, self.lse_of = (variant[name] for name in
+                                                                   ("saves", "bits", "groups", "lse_of"))
+                self._lossy_regions = frozenset(map(region_of, self.bits))
+                self.variants = []
+                return True
+        return False
 
     def _lse_sources(self, key: str) -> tuple:  # type: ignore[type-arg]
         """The packed query, key and mask the log-sum-exp saved under ``key`` is recomputed from."""
@@ -439,8 +457,9 @@ def _warn_diverged(key: str, got: str, want: str) -> None:
            "control flow depends on the batch's values (an attention mask left out of a batch without padding, "
            "experts that get no tokens), so its saved tensors no longer match the plan's. From there on that "
            "forward stored every tensor exactly: its gradients carry no lossy storage it was not planned for, "
-           "but the step holds more than the plan predicted. Batches of one kind per input signature (all padded, "
-           "or a lossless budget) avoid it.")
+           "but the step holds more than the plan predicted. Under a compression level in one process, zoomem "
+           "plans such batches apart at the next step (up to 3 variants per input signature); otherwise batches "
+           "of one kind per signature (all padded) or a lossless budget avoid it.")
     if msg not in _WARNED:
         _WARNED.add(msg)
         logger.warning(msg)

@@ -17,7 +17,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field, replace
 from types import MethodType
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -71,9 +71,11 @@ class _Active:
     step's cache is not left with some layers only."""
 
     @classmethod
-    def of(cls, plan: Plan, generator: torch.Generator | None = None) -> "_Active":
-        store = SavedTensorStore(bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload,
-                                 generator=generator, saves=plan.saves) if plan.bits else None
+    def of(cls, plan: Plan, generator: torch.Generator | None = None, variants: Sequence[Plan] = ()) -> "_Active":
+        store = SavedTensorStore(
+            bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload, generator=generator,
+            saves=plan.saves, variants=[{"saves": v.saves, "bits": v.bits, "groups": v.groups, "lse_of": v.lse_of}
+                                        for v in variants]) if plan.bits else None
         compact = _compact_of(plan)
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
         recomputes = any(d != Decision.KEEP for d in plan.decisions.values())
@@ -151,6 +153,14 @@ class _Handle:
     outside units' forms (:data:`OUTSIDE_UNITS`)."""
     last_graph: OpGraph | None = None
     compile_warned: bool = False
+    variants: dict[str, list[Plan]] = field(default_factory=dict)
+    """Per plan signature, plans of a compression level made on batches of that signature whose forward saved other
+    tensors than the plan's (control flow that depends on the batch's values): the store goes on with one of them
+    at the first save that differs (:attr:`SavedTensorStore.variants`)."""
+    pending: tuple[tuple, Batch] | None = None
+    """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
+    at the next training forward."""
+    last_sig: tuple | None = None  # type: ignore[type-arg]
     compress_scales: dict[tuple, float] = field(default_factory=dict)
     """Per input signature and training mode, the measured scale of lossy prices (:func:`_compression_scale`): one
     measurement for every plan of that step, so that plans at different budgets are priced alike."""
@@ -170,6 +180,8 @@ class _Handle:
         """Forget every cached plan: the next training forward plans again."""
         self.plans.clear()
         self.planning.clear()
+        self.variants.clear()
+        self.pending = None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """zoomem's own stochastic-rounding noise stream on ``device`` (seeded from the user's seed at wrap)."""
@@ -182,7 +194,8 @@ class _Handle:
         return _model_device(self.model)
 
     def active_for(self, plan: Plan) -> _Active:
-        return _Active.of(plan, self.generator(self.device()) if plan.bits else None)
+        return _Active.of(plan, self.generator(self.device()) if plan.bits else None,
+                          self.variants.get(plan.signature, ()) if plan.signature else ())
 
     @contextlib.contextmanager
     def planning_scope(self) -> Iterator[None]:
@@ -216,6 +229,9 @@ class _Handle:
         sig = first[:2] + (grads_held,)
         if self.lossy and not same_everywhere(repr(sig)):
             _refuse_other_shapes(sig)
+        self.last_sig = sig
+        if self.pending is not None and not meter_busy(quiet=True):
+            self._plan_variant(*self.pending)
         cached = self.plans.get(sig)
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
@@ -256,6 +272,38 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def left_its_saves(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
+        """A training forward on ``batch`` saved other tensors than its plan's forward and its variants' (the store
+        stored exactly from there): plan a variant on it at the next training forward, for a compression level
+        (its units all kept, its bits the whole plan) in one process, up to :data:`MAX_VARIANTS` per signature."""
+        plan = self.plans.get(sig)
+        if (self.pending is None and plan is not None and self.level is not None and self.level.lossy
+                and self.compress is None and world_size() == 1
+                and len(self.variants.get(plan.signature, ())) < MAX_VARIANTS):
+            self.pending = (sig, batch)
+
+    def _plan_variant(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
+        self.pending = None
+        primary = self.plans.get(sig)
+        if primary is None:
+            return
+        with self.planning_scope():
+            new = _seeing_the_loss(lambda: _make(
+                self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
+                self.time_limit, level=self.level, trace_batch_size=self.trace_batch_size, grads_held=sig[2]))
+        planning = new.extras.pop("_planning", None)
+        if planning is None:
+            return
+        new.saves = {i.key: save_sig(i.shape, i.dtype) for i in planning.infos}
+        known = self.variants.setdefault(primary.signature, [])
+        if new.saves == primary.saves or any(v.saves == new.saves for v in known):
+            return
+        new.signature = primary.signature
+        known.append(new)
+        _log_rank0("zoomem: planned a variant of %s's %s plan for batches of its signature whose forward saves other "
+                   "tensors (%d where the plan's saves %d): they run it from where they differ", type(self.model).__name__,
+                   self.level.name if self.level is not None else "", len(new.saves), len(primary.saves))
 
     @property
     def lossy(self) -> bool:
@@ -352,6 +400,10 @@ def _refuse_other_shapes(sig: tuple) -> None:  # type: ignore[type-arg]
         "or train with a lossless budget, whose plans are made per rank for its own inputs."
     )
 
+
+MAX_VARIANTS = 3
+"""Variants planned per plan signature at most (:attr:`_Handle.variants`): a model whose saves change with every
+batch (a mixture of experts) would otherwise plan at every step."""
 
 NOISY_VARIANCE = 0.1
 """Predicted relative gradient variance above which a plan warns: the noise's norm is a third of the gradient's
@@ -1260,6 +1312,9 @@ def wrap(
             with handle.active.hooks(model, batch):
                 return handle.in_force(original)(*args, **kwargs)
         finally:
+            store, sig = handle.active.store, handle.last_sig
+            if store is not None and store.diverged is not None and sig is not None:
+                handle.left_its_saves(sig, batch)
             handle.active.forward_done()
             handle.active = None
 
