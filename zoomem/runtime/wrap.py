@@ -160,6 +160,8 @@ class _Handle:
     pending: tuple[tuple, Batch] | None = None
     """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
     at the next training forward."""
+    variant_tries: dict[str, int] = field(default_factory=dict)
+    """Per plan signature, variants planned so far, kept or not (at most :data:`MAX_VARIANTS`)."""
     last_sig: tuple | None = None  # type: ignore[type-arg]
     compress_scales: dict[tuple, float] = field(default_factory=dict)
     """Per input signature and training mode, the measured scale of lossy prices (:func:`_compression_scale`): one
@@ -181,6 +183,7 @@ class _Handle:
         self.plans.clear()
         self.planning.clear()
         self.variants.clear()
+        self.variant_tries.clear()
         self.pending = None
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -280,30 +283,38 @@ class _Handle:
         plan = self.plans.get(sig)
         if (self.pending is None and plan is not None and self.level is not None and self.level.lossy
                 and self.compress is None and world_size() == 1
-                and len(self.variants.get(plan.signature, ())) < MAX_VARIANTS):
+                and self.variant_tries.get(plan.signature, 0) < MAX_VARIANTS):
             self.pending = (sig, batch)
 
     def _plan_variant(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
+        """Plan :attr:`pending`'s variant (planning it is optional: a failure is logged, not raised)."""
         self.pending = None
         primary = self.plans.get(sig)
         if primary is None:
             return
-        with self.planning_scope():
-            new = _seeing_the_loss(lambda: _make(
-                self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
-                self.time_limit, level=self.level, trace_batch_size=self.trace_batch_size, grads_held=sig[2]))
+        self.variant_tries[primary.signature] = self.variant_tries.get(primary.signature, 0) + 1
+        try:
+            with self.planning_scope():
+                new = _seeing_the_loss(lambda: _make(
+                    self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
+                    self.time_limit, level=self.level, trace_batch_size=self.trace_batch_size, grads_held=sig[2]))
+        except Exception as exc:  # noqa: BLE001 - such batches go on storing exactly from where they differ
+            _release_memory()
+            _log_rank0("zoomem: planning a variant for batches whose forward saves other tensors failed (%s)",
+                       exc_text(exc), level=logging.WARNING)
+            return
         planning = new.extras.pop("_planning", None)
+        known = self.variants.setdefault(primary.signature, [])
         if planning is None:
             return
         new.saves = {i.key: save_sig(i.shape, i.dtype) for i in planning.infos}
-        known = self.variants.setdefault(primary.signature, [])
         if new.saves == primary.saves or any(v.saves == new.saves for v in known):
             return
         new.signature = primary.signature
         known.append(new)
-        _log_rank0("zoomem: planned a variant of %s's %s plan for batches of its signature whose forward saves other "
-                   "tensors (%d where the plan's saves %d): they run it from where they differ", type(self.model).__name__,
-                   self.level.name if self.level is not None else "", len(new.saves), len(primary.saves))
+        _log_rank0("zoomem: planned a variant of %s's %s plan for batches of its signature whose forward saves "
+                   "other tensors (%d where the plan's saves %d): they run it from where they differ",
+                   type(self.model).__name__, new.level, len(new.saves), len(primary.saves))
 
     @property
     def lossy(self) -> bool:
