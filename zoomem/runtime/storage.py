@@ -15,10 +15,12 @@ tensors the same way every time. What the store does with a tensor depends on it
 
 The keys assume that one input signature saves the same tensors in the same order every time. A model whose
 control flow depends on the batch's values breaks that (an HF model that leaves its attention mask out of a batch
-without padding saves one tensor fewer per layer; a mixture of experts skips experts that get no tokens), and ``bits`` would then quantize other tensors than were planned, with groups and
-exactness worked out for others. With ``saves`` (what the plan's forward saved under each key, :func:`save_sig`)
-the store compares every save with it; from the first difference on it stores every tensor exactly
-(:attr:`SavedTensorStore.diverged` says where) and logs a warning once per difference.
+without padding saves one tensor fewer per layer; a mixture of experts skips experts that get no tokens), and
+``bits`` would then quantize other tensors than were planned, with groups and exactness worked out for others.
+With ``saves`` (what the plan's forward saved under each key, :func:`save_sig`) the store compares every save with
+it: at the first difference it goes on with a variant that saved the same so far (:attr:`SavedTensorStore.variants`),
+else from there on it stores every tensor exactly (:attr:`SavedTensorStore.diverged` says where) and logs a
+warning once per difference.
 
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
 gets the first one's packed object. So is a view saved beside the contiguous tensor it lies in, in either order
@@ -458,8 +460,8 @@ def _warn_diverged(key: str, got: str, want: str) -> None:
            "experts that get no tokens), so its saved tensors no longer match the plan's. From there on that "
            "forward stored every tensor exactly: its gradients carry no lossy storage it was not planned for, "
            "but the step holds more than the plan predicted. Under a compression level in one process, zoomem "
-           "plans such batches apart at the next step (up to 3 variants per input signature); otherwise batches "
-           "of one kind per signature (all padded) or a lossless budget avoid it.")
+           "plans such batches apart at the next step (a few variants per input signature at most); otherwise "
+           "batches of one kind per signature (all padded) or a lossless budget avoid it.")
     if msg not in _WARNED:
         _WARNED.add(msg)
         logger.warning(msg)
