@@ -1159,3 +1159,43 @@ def test_a_forward_that_saves_other_tensors_than_planned_stores_them_exactly(
     assert sorted(k for k, _ in step(padded)) == sorted(plan.bits)  # padded batches run the plan
     assert sum("its plan's forward saved" in r.getMessage() for r in caplog.records) == 1
     assert sum("planned a variant" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_variant_that_fails_to_plan_is_logged_and_tried_again(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning a variant is optional: where it fails (here, planning raises), the training step goes on, storing
+    exactly from the difference as before, with a warning; a later batch that leaves the plan tries again."""
+    import sys
+
+    wrap_module = sys.modules["zoomem.runtime.wrap"]  # (zoomem.runtime.wrap is also the name of the function)
+    model, adapter, batch = small("hf/llama", batch_size=8)
+    padded = dict(batch.kwargs, attention_mask=batch.kwargs["attention_mask"].clone())
+    padded["attention_mask"][:, -5:] = 0
+    full = dict(batch.kwargs, attention_mask=torch.ones_like(padded["attention_mask"]))
+    zoomem.wrap(model, level="L2", adapter=adapter, sensitivity_interval=0)
+    for kwargs in (padded, full):  # plans on the padded batch; the batch without padding leaves the plan
+        model(**kwargs).loss.backward()
+        model.zero_grad(set_to_none=True)
+    handle = model._zoomem
+    (plan,) = handle.plans.values()
+    assert handle.pending is not None
+    make = wrap_module._make
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no memory left to plan")
+
+    monkeypatch.setattr(wrap_module, "_make", failing)
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        loss = model(**full).loss  # tries the variant, fails, and trains on
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert torch.isfinite(loss)
+    assert any("planning a variant" in r.getMessage() and "no memory left to plan" in r.getMessage()
+               for r in caplog.records)
+    assert handle.variant_tries[plan.signature] == 1 and not handle.variants.get(plan.signature)
+    monkeypatch.setattr(wrap_module, "_make", make)
+    for _ in range(2):  # this step left the plan again: the next one plans the variant
+        model(**full).loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert handle.variant_tries[plan.signature] == 2 and len(handle.variants[plan.signature]) == 1
