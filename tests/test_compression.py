@@ -953,7 +953,9 @@ def test_each_lossy_tensor_is_priced_its_fixed_time_too(monkeypatch: pytest.Monk
     assert expected > sum(costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
 
 
-def test_lossy_prices_are_measured_in_the_step() -> None:
+def test_lossy_prices_are_measured_in_the_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The quantizer's probes time one tensor alone. In a step the same tensors cost more or less, the store's work
     comes with them, and the step's timeline (every overhead's denominator) runs under the meter: ViT-Tiny's `L2`
     at batch 8 was predicted 1.45-1.55x against 1.69-1.87x measured. Planning now times three steps storing every
@@ -961,12 +963,20 @@ def test_lossy_prices_are_measured_in_the_step() -> None:
     they measured over what the probes priced (x1.37-1.56 in one-off runs there: 1.66x predicted against 1.69x).
     The scale is the plan's, in its summary and its JSON, and measured once per input signature: every plan of
     that step is priced alike."""
+    import sys
+
+    # measured whatever share of the step the prices are (a loaded machine's slow traced step once put them under
+    # the 5% below which the scale stays 1: the measurement, not that threshold, is what this checks)
+    monkeypatch.setattr(sys.modules["zoomem.runtime.wrap"], "_SCALE_MIN_SHARE", 0.0)
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0)
-    zoomem.wrap(model, level="L2", batch=batch)
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        zoomem.wrap(model, level="L2", batch=batch)
     handle = model.__dict__["_zoomem"]
     (plan,) = handle.plans.values()
     costs = next(iter(handle.planning.values())).costs
-    assert plan.compress_scale == costs.compress_scale != 1.0 and 0.5 <= costs.compress_scale <= 3.0
+    measured = [r.getMessage() for r in caplog.records if "storing tensors lossily measured" in r.getMessage()]
+    assert len(measured) == 1, ([r.getMessage() for r in caplog.records], costs.step_s)
+    assert plan.compress_scale == costs.compress_scale and 0.5 <= costs.compress_scale <= 3.0, measured
     nbytes = {s.key: s.nbytes for s in costs.saved}
     probes = sum(costs.compress_s_per_call[b] + costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
     assert plan.compress_s == pytest.approx(costs.compress_scale * probes, rel=1e-12)
