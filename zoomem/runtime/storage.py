@@ -48,7 +48,7 @@ from ..ops.attention import attention_logsumexp
 from ..ops.functional import separate_masks
 from ..planner.compression import DUPLICATE, SavedInfo, region_of
 
-__all__ = ["SavedTensorStore", "lossy_reason", "save_sig", "MIN_NUMEL"]
+__all__ = ["SavedTensorStore", "lossy_reason", "save_sig", "save_sigs", "MIN_NUMEL"]
 
 MIN_NUMEL = 4096
 """Tensors smaller than this are never stored lossily: their bytes do not matter and their statistics might."""
@@ -163,6 +163,11 @@ logger = logging.getLogger(__name__)
 def save_sig(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> str:
     """What a save is compared by (:attr:`SavedTensorStore.saves`): ``"8x64x128 torch.float32"``."""
     return f"{'x'.join(map(str, shape))} {dtype}"
+
+
+def save_sigs(infos: Any) -> dict[str, str]:
+    """:attr:`~zoomem.planner.Plan.saves` of a plan made from ``infos`` (the probe's :class:`SavedInfo` list)."""
+    return {i.key: save_sig(i.shape, i.dtype) for i in infos}
 
 
 _WARNED: set[str] = set()

@@ -45,7 +45,7 @@ from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, same
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
-from .storage import SavedTensorStore, save_sig
+from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
 from .units import measure_recompute_backward, measure_recompute_rises, restore_buffers, run_unit
 
@@ -230,7 +230,7 @@ class _Handle:
                     first in self.plans or self._larger_plan(first) is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
-        if self.lossy and not same_everywhere(repr(sig)):
+        if self.lossy and world_size() > 1 and not same_everywhere(repr(sig)):  # (no repr per step in one process)
             _refuse_other_shapes(sig)
         self.last_sig = sig
         if self.pending is not None and not meter_busy(quiet=True):
@@ -248,10 +248,7 @@ class _Handle:
                        larger.predicted_peak_bytes / _MIB, every_rank=True)
             return larger
         def make() -> Plan:
-            return _seeing_the_loss(lambda: _make(
-                self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
-                self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
-                grads_held=grads_held))
+            return self._make_plan(batch, grads_held)
 
         with self.planning_scope():  # lossless: each rank its own plan, for its own inputs, with no collective
             new = from_rank0(make, _encode_plan, _decode_plan) if self.lossy else make()
@@ -259,7 +256,7 @@ class _Handle:
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
-            new.saves = {i.key: save_sig(i.shape, i.dtype) for i in self.planning[sig].infos}
+            new.saves = save_sigs(self.planning[sig].infos)
         if new.bits and new.variance > NOISY_VARIANCE:
             _log_rank0(
                 "zoomem: the plan's lossy storage adds gradient noise of %.2f times the squared gradient norm (%s); "
@@ -275,6 +272,13 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def _make_plan(self, batch: Batch, grads_held: bool) -> Plan:
+        """A plan for a step on ``batch`` under this wrap's settings (call inside :meth:`planning_scope`)."""
+        return _seeing_the_loss(lambda: _make(
+            self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
+            self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
+            grads_held=grads_held))
 
     def left_its_saves(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
         """A training forward on ``batch`` saved other tensors than its plan's forward and its variants' (the store
@@ -295,9 +299,7 @@ class _Handle:
         self.variant_tries[primary.signature] = self.variant_tries.get(primary.signature, 0) + 1
         try:
             with self.planning_scope():
-                new = _seeing_the_loss(lambda: _make(
-                    self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
-                    self.time_limit, level=self.level, trace_batch_size=self.trace_batch_size, grads_held=sig[2]))
+                new = self._make_plan(batch, sig[2])
         except Exception as exc:  # noqa: BLE001 - such batches go on storing exactly from where they differ
             _release_memory()
             _log_rank0("zoomem: planning a variant for batches whose forward saves other tensors failed (%s)",
@@ -307,7 +309,7 @@ class _Handle:
         known = self.variants.setdefault(primary.signature, [])
         if planning is None:
             return
-        new.saves = {i.key: save_sig(i.shape, i.dtype) for i in planning.infos}
+        new.saves = save_sigs(planning.infos)
         if new.saves == primary.saves or any(v.saves == new.saves for v in known):
             return
         new.signature = primary.signature
