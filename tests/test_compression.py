@@ -980,11 +980,18 @@ def test_lossy_prices_are_measured_in_the_step(
     nbytes = {s.key: s.nbytes for s in costs.saved}
     probes = sum(costs.compress_s_per_call[b] + costs.compress_s_per_byte[b] * nbytes[k] for k, b in plan.bits.items())
     assert plan.compress_s == pytest.approx(costs.compress_scale * probes, rel=1e-12)
-    assert f"priced x{plan.compress_scale:.2f}, as measured in this step" in plan.summary()
+    assert f"priced x{plan.compress_scale:.2f}, as measured in a training step" in plan.summary()
     assert zoomem.Plan.from_json(plan.to_json()).compress_scale == plan.compress_scale
     assert zoomem.plan(model, batch, level="L1.2").compress_scale == plan.compress_scale
     assert list(handle.compress_scales.values()) == [plan.compress_scale]
-    zoomem.plan(model, adapter.sub_batch(batch, 1), level="L2")  # a new input signature is measured on its own
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zoomem"):  # smaller inputs (dynamic padding's) take the scale
+        smaller = zoomem.plan(model, adapter.sub_batch(batch, 1), level="L2")
+    assert smaller.compress_scale == plan.compress_scale and len(handle.compress_scales) == 1
+    assert not [r for r in caplog.records if "storing tensors lossily measured" in r.getMessage()]
+    assert [r for r in caplog.records if "as measured at inputs at least as large" in r.getMessage()]
+    larger = adapter.example_batch(model, 2 * batch.batch_size(), **zoo.SMALL["timm/vit_tiny_patch16_224"].sizes)
+    zoomem.plan(model, larger, level="L2")  # larger inputs are measured on their own
     assert len(handle.compress_scales) == 2
 
 

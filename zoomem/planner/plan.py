@@ -208,7 +208,7 @@ class Plan:
                 f"({lossy / _MIB:.1f} MiB, {avg:.2f} bits on average"
                 + "".join(f"; {n / _MIB:.1f} MiB in {b} bits" for b, n in sorted(hist.items()))
                 + f"){'; offloaded' if self.offload else ''}; predicted relative gradient variance {self.variance:.2e}"
-                + (f"; priced x{self.compress_scale:.2f}, as measured in this step" if self.compress_scale != 1 else "")
+                + (f"; priced x{self.compress_scale:.2f}, as measured in a training step" if self.compress_scale != 1 else "")
             )
         return "\n".join(lines)
 

@@ -163,9 +163,10 @@ class _Handle:
     variant_tries: dict[str, int] = field(default_factory=dict)
     """Per plan signature, variants planned so far, kept or not (at most :data:`MAX_VARIANTS`)."""
     last_sig: tuple | None = None  # type: ignore[type-arg]
-    compress_scales: dict[tuple, float] = field(default_factory=dict)
-    """Per input signature and training mode, the measured scale of lossy prices (:func:`_compression_scale`): one
-    measurement for every plan of that step, so that plans at different budgets are priced alike."""
+    compress_scales: dict[tuple, float | None] = field(default_factory=dict)
+    """Per input signature and training mode, the scale of lossy prices (:func:`_compression_scale`; ``None`` where
+    it could not be measured): one measurement for every plan of that step, so that plans at different budgets are
+    priced alike, and for the smaller inputs' (:meth:`compress_scale`)."""
 
     def in_force(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """The model's ``forward`` as the plan in force runs it: through :attr:`root_impls` where it switches on the
@@ -333,6 +334,23 @@ class _Handle:
             return None
         fits = [p for k, p in self.plans.items() if k[1:] == sig[1:] and not p.bits and no_larger(sig[0], k[0])]
         return min(fits, key=lambda p: p.recompute_s, default=None)
+
+    def compress_scale(self, batch: Batch, measure: Callable[[], float | None]) -> float:
+        """The scale of lossy prices for a plan on ``batch``: the one of its input signature, else one measured at
+        inputs at least as large (:func:`~zoomem.batch.no_larger`, the same training mode), else ``measure()``'s
+        (``None``: not measurable there, 1). A ratio of the step's cost to the probes' (which price each tensor by
+        its bytes and per call), it carries over to shorter inputs, and a lossy plan at each new length of
+        dynamic padding skips the six steps that measure it (a third of small BERT's planning time)."""
+        key = (batch.signature(), self.model.training)
+        if key not in self.compress_scales:
+            larger = next((s for (sig, training), s in self.compress_scales.items() if s is not None
+                           and training == key[1] and no_larger(key[0], sig)), None)
+            if larger is not None:
+                logger.info("zoomem: lossy prices x %.2f, as measured at inputs at least as large", larger)
+                return larger
+            self.compress_scales[key] = measure()
+        measured = self.compress_scales[key]
+        return 1.0 if measured is None else measured
 
     def _refresh(self, sig: tuple, batch: Batch, old: Plan) -> Plan:  # type: ignore[type-arg]
         """Measure the sensitivities again on this batch and re-allocate the bits (the plan's units stay)."""
@@ -614,11 +632,9 @@ def _make(
                            fused=use_triton(torch.empty(0, device=device), GROUP_SIZE),
                            seconds_per_call={b: seconds_per_call(device, b) for b in widths})
         if handle is not None and scale is None:  # a step at the batch runs here (not so when extrapolated)
-            key = (batch.signature(), model.training)
-            if key not in handle.compress_scales:
-                handle.compress_scales[key] = _compression_scale(handle, costs, infos, chosen_units, batch, adapter,
-                                                                 loss_fn, units, time_limit)
-            costs.compress_scale = handle.compress_scales[key]
+            costs.compress_scale = handle.compress_scale(
+                batch, lambda: _compression_scale(handle, costs, infos, chosen_units, batch, adapter, loss_fn, units,
+                                                  time_limit))
     if level is not None:
         new = _level_plan(costs, infos, level, chosen_units if level.lossy else frozenset(), time_limit)
         new.budget_bytes = budget_bytes
@@ -812,21 +828,22 @@ _SCALE_MIN_SHARE = 0.05
 
 def _compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInfo], chosen_units: frozenset[str],
                       batch: Batch, adapter: Adapter, loss_fn: Callable[[Any, Batch], torch.Tensor] | None,
-                      units: list[Unit], time_limit: float) -> float:
+                      units: list[Unit], time_limit: float) -> float | None:
     """What storing tensors lossily costs in this model's step over what the quantizer's probes price it at.
 
     The probes time one tensor alone. In a step the same tensors cost more or less (ViT-Tiny at batch 8 here: 20%
     more, beside its ops' working sets), the store's own work comes with them, and the step's timeline, whose sum
     is every overhead's denominator, runs under the meter. So: three steps under the plan that stores every
     eligible tensor in 4 bits, and three under the same plan storing nothing lossily, measured as the timeline is,
-    in turns; the difference of the fastest of each, over the price of those tensors, clamped to ``[0.5, 3]``. 1
-    where the price is under 5% of the step (the difference would be noise), a profiler or meter is running, or a
-    step runs out of memory (the batch fits the device only as planned). Measured once per input signature of a
-    wrapped model (:attr:`_Handle.compress_scales`): measured for each plan, it put ResNet-50's levels (b4) at
-    1.33-1.76x predicted in one run, all measured at 1.44-1.48x (BENCHMARKS.md)."""
+    in turns; the difference of the fastest of each, over the price of those tensors, clamped to ``[0.5, 3]``.
+    ``None`` (the probes' prices stand) where the price is under 5% of the step (the difference would be noise), a
+    profiler or meter is running, or a step runs out of memory (the batch fits the device only as planned).
+    Measured once per input signature of a wrapped model, and not for inputs no larger than a measured one's
+    (:meth:`_Handle.compress_scale`): measured for each plan, it put ResNet-50's levels (b4) at 1.33-1.76x
+    predicted in one run, all measured at 1.44-1.48x (BENCHMARKS.md)."""
     lossy = _level_plan(costs, infos, get_level("L1"), chosen_units, time_limit)
     if not lossy.bits or lossy.compress_s < _SCALE_MIN_SHARE * costs.step_s:
-        return 1.0
+        return None
     exact = replace(lossy, bits={})
     fastest: dict[int, float] = {}
     for _ in range(3):
@@ -838,9 +855,9 @@ def _compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInf
                     raise
                 _release_memory()
                 logger.info("zoomem: no memory to time lossy storage in the step; its prices are the probes'")
-                return 1.0
+                return None
             if not timeline:
-                return 1.0
+                return None
             fastest[i] = min(fastest.get(i, float("inf")), sum(t.time_s for t in timeline))
     lo, hi = _SCALE_RANGE
     scale = min(hi, max(lo, (fastest[1] - fastest[0]) / lossy.compress_s))
