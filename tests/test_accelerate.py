@@ -151,6 +151,27 @@ def test_ranks_whose_inputs_differ_in_shape_plan_their_own(ddp: SimpleNamespace)
         assert f"rank {rank} meets" in r["shapes_lossy_error"] and "padding='max_length'" in r["shapes_lossy_error"]
 
 
+def test_a_budget_one_ranks_inputs_cannot_meet_stops_the_launch(tmp_path: Path) -> None:
+    """Lossless plans are per rank, so an infeasible budget is found by the rank whose inputs it cannot hold (here
+    rank 1's 64 tokens, where rank 0 has 16 and plans within it: tests/launch/ddp_checks.py ``infeasible``). That
+    rank raises the error naming the smallest budget that works; rank 0, waiting in DDP's all-reduce, fails as its
+    peer closes (gloo) and the launch ends at once instead of waiting out the collective's timeout."""
+    import re
+    import time
+
+    start = time.perf_counter()
+    proc = _launch("infeasible", tmp_path, *MULTI, timeout=300)
+    took = time.perf_counter() - start
+    assert proc.returncode != 0 and not list(tmp_path.glob("infeasible-rank*.json")), proc.stderr[-4000:]
+    assert "zoomem (rank 0): planned" in proc.stderr, proc.stderr[-4000:]  # rank 0's batch fits
+    errors = re.findall(r"\[rank1\]: zoomem\.planner\.plan\.InfeasibleBudgetError: No ilp plan keeps this step "
+                        r"within [\d.]+ MiB \((\d+) bytes\): the smallest feasible budget is [\d.]+ MiB \((\d+) bytes",
+                        proc.stderr)
+    assert errors and all(int(least) > int(budget) for budget, least in errors), proc.stderr[-4000:]
+    assert "Raise the budget to at least that, or lower the batch size." in proc.stderr
+    assert took < 120, took  # (gloo's default timeout is 30 minutes)
+
+
 def test_compression_levels_use_the_same_bits_on_every_rank(ddp: SimpleNamespace) -> None:
     """L2's sensitivities are all-reduced and every rank takes rank 0's plan (zoomem.runtime.distributed), at
     planning and when measured again: both ranks use the same bits, although their batches differ; the

@@ -9,6 +9,8 @@ Modes:
   Trainer with and without ``ZoomemCallback``, ranks meeting inputs of different shapes (:data:`SHAPES`), and
   ``save_state`` after ``K`` steps followed by two more steps.
 - ``resume``: a fresh launch that ``load_state``s that checkpoint and runs the same two steps.
+- ``infeasible``: rank 1 meets a batch that no plan fits under a byte budget that rank 0's batch fits
+  (:func:`infeasible`): rank 1 raises, and the launcher stops rank 0, which waits in DDP's all-reduce.
 
 Each rank trains on its own batches (seeded by step and rank), so parameters stay equal across ranks only if DDP
 synchronises the gradients.
@@ -326,9 +328,31 @@ def shapes(out: dict[str, Any]) -> None:
     torch.distributed.barrier()
 
 
+SHORT = 16
+"""Rank 0's sequence length in :func:`infeasible` (rank 1's is :data:`SEQ`)."""
+
+
+def infeasible(out: dict[str, Any]) -> None:
+    """A byte budget 1.4 times plain PyTorch's peak for rank 0's short batch (3.0 MiB; under DDP, with its gradient
+    buckets, rank 0 needs 3.3): rank 0 plans within it, rank 1's full-length batch has no plan that fits (5.4 MiB
+    at least) and its forward raises, naming the smallest budget that works. Nothing lets rank 0 know (lossless
+    plans are per rank, with no collective): it waits in DDP's all-reduce until the launcher stops it. Neither
+    rank writes its JSON."""
+    model, opt = model_and_opt()
+    short = zoomem.Batch(kwargs=cut(0, 0, SHORT))
+    budget = int(1.4 * zoomem.plan(model, short, optimizer=opt).baseline_peak_bytes)
+    acc = fresh_accelerator()
+    model, opt = setup(acc, "helper", budget=budget)
+    print(f"zoomem launch check infeasible: rank {acc.process_index} plans under {budget} bytes", file=sys.stderr)
+    loss = model(**cut(0, acc.process_index, SEQ if acc.process_index else SHORT)).loss
+    acc.backward(loss)
+    opt.step()
+    out["infeasible_trained"] = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["count", "train", "resume"])
+    parser.add_argument("mode", choices=["count", "train", "resume", "infeasible"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--expect", type=int, default=2)
     args = parser.parse_args()
@@ -347,6 +371,8 @@ def main() -> None:
         save(out, args.out / "ckpt")
     elif args.mode == "resume":
         resume(out, args.out / "ckpt")
+    elif args.mode == "infeasible":
+        infeasible(out)
     rank = int(os.environ.get("RANK", "0"))
     (args.out / f"{args.mode}-rank{rank}.json").write_text(json.dumps(out))
     # every rank leaves the gloo group together, as zoomem.recipes.finish does: a group still alive at interpreter
