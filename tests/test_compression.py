@@ -1235,3 +1235,143 @@ def test_a_variant_that_fails_to_plan_is_logged_and_tried_again(
         model(**full).loss.backward()
         model.zero_grad(set_to_none=True)
     assert handle.variant_tries[plan.signature] == 2 and len(handle.variants[plan.signature]) == 1
+
+
+def _unbiased_as_predicted(samples: list[list[torch.Tensor]], exact: list[torch.Tensor], variance: float) -> None:
+    """Gradient samples of a lossy plan: their mean converges to ``exact`` (squared bias about the mean squared
+    error over the number of samples) and that error is at most 3 times the plan's predicted ``variance``."""
+    mean = [torch.stack(s).mean(0) for s in zip(*samples)]
+    mse = sum(_sq([a - b for a, b in zip(s, exact)]) for s in samples) / len(samples)
+    assert 0 < _sq([m - e for m, e in zip(mean, exact)]) <= 3 * mse / len(samples)
+    assert mse / _sq(exact) <= 3 * variance, (mse / _sq(exact), variance)
+
+
+def test_a_shorter_batch_runs_the_longer_ones_lossy_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamic padding under a level: a batch no larger than a planned one runs its plan, bits measured at the
+    longer length (small BERT at batch 32 stepping through 8 lengths took 13 s planning each, 3.6 s now:
+    BENCHMARKS.md "Stop 47"). The same tensors are stored lossily, compared by rank and size, and the gradients are
+    plain PyTorch's on average, about as noisy as the longer batch's plan predicts. A refresh of that plan's
+    sensitivities is the shorter batch's too."""
+    model, adapter, batch = small("hf/bert-base-uncased", batch_size=8)
+
+    def cut(length: int) -> dict[str, torch.Tensor]:
+        return {k: v[:, :length] if v.dim() == 2 else v for k, v in batch.kwargs.items()}
+
+    def grads(kwargs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(0)  # the same dropout masks every time
+        model.zero_grad(set_to_none=True)
+        model(**kwargs).loss.backward()
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    model.train()
+    zoomem.wrap(model, level="L2", adapter=adapter, sensitivity_interval=100)
+    grads(cut(64))
+    handle = model._zoomem
+    ((long_sig, plan),) = handle.plans.items()
+    stores: list[SavedTensorStore] = []
+    hooks = SavedTensorStore.hooks
+
+    def recording(self: SavedTensorStore, *args: Any, **kwargs: Any) -> Any:
+        stores.append(self)
+        return hooks(self, *args, **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="zoomem"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SavedTensorStore, "hooks", recording)
+        samples = [grads(cut(48)) for _ in range(8)]
+    assert "its bits measured there" in caplog.text and "planned" not in caplog.text.replace("planned already", "")
+    (short_sig,) = set(handle.plans) - {long_sig}
+    assert handle.plans[short_sig] is plan and handle.reused == {short_sig: long_sig}
+    assert all(s.smaller and s.diverged is None and s.bits is plan.bits for s in stores) and len(stores) == 8
+    with zoomem.disabled(model):
+        exact = grads(cut(48))
+    _unbiased_as_predicted(samples, exact, plan.variance)
+    handle.steps = 16  # an early refresh step (EARLY_REFRESHES) of the longer batch's plan
+    grads(cut(64))
+    assert handle.plans[long_sig] is not plan and handle.plans[short_sig] is handle.plans[long_sig]
+
+
+def test_a_plan_reused_at_a_shorter_length_keeps_row_groups_only_where_they_divide_the_rows(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A norm over the sequence (the last dimension here) reads its input in rows as long as the sequence: planned
+    at 64, the input is quantized in groups of 64. At 48 those groups would mix rows (a row's small spread next to a
+    group's range comes back as noise times 1/std: ``row_group``), so the plan reused there stores it exactly; a
+    batch of fewer samples at 64 still quantizes it."""
+    from zoomem.runtime import storage
+
+    class SequenceNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x.transpose(1, 2)).transpose(1, 2).contiguous()  # (batch, 16, length)
+            return nn.functional.layer_norm(torch.relu(h) + h, h.shape[-1:])
+
+    torch.manual_seed(0)
+    model = SequenceNorm()
+    zoomem.wrap(model, level="L1", loss_fn=lambda out, b: out.pow(3).mean())
+    quantized: list[tuple[tuple[int, ...], int]] = []
+    quantize = storage.quantize
+
+    def recording(t: torch.Tensor, bits: int, group: int, **kwargs: Any) -> Any:
+        quantized.append((tuple(t.shape), group))
+        return quantize(t, bits, group, **kwargs)
+
+    monkeypatch.setattr(storage, "quantize", recording)
+
+    def step(batch: int, length: int) -> list[tuple[tuple[int, ...], int]]:
+        model(torch.randn(batch, 16, length)).pow(3).mean().backward()
+        model.zero_grad(set_to_none=True)
+        done, quantized[:] = list(quantized), []
+        return done
+
+    step(8, 64)  # plans (its measurements quantize too)
+    (plan,) = model._zoomem.plans.values()
+    assert set(plan.row_dims.values()) == {(1,)} and set(plan.groups.values()) == {64}
+    assert ((8, 16, 64), 64) in step(8, 64)
+    assert ((4, 16, 64), 64) in step(4, 64)  # fewer samples: the groups still follow the rows
+    assert plan.bits.keys() == plan.groups.keys()  # the norm's input is all it stores lossily ...
+    assert step(8, 48) == []  # ... and at 48 it stays exact
+    assert len(model._zoomem.plans) == 3 and all(p is plan for p in model._zoomem.plans.values())
+
+
+def test_a_shorter_batch_that_leaves_the_longer_ones_saves_plans_on_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    """Small Llama planned on a padded batch; a shorter batch without padding saves no attention mask, so from the
+    first attention on its saves are not the plan's (other ranks): that forward stores exactly from there, warning,
+    and the next step at that length plans on its own, then runs without a difference."""
+    model, adapter, batch = small("hf/llama", batch_size=8)
+    padded = dict(batch.kwargs, attention_mask=batch.kwargs["attention_mask"].clone())
+    padded["attention_mask"][:, -5:] = 0
+    full = {k: v[:, :56] if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+            for k, v in dict(batch.kwargs, attention_mask=torch.ones_like(padded["attention_mask"])).items()}
+    zoomem.wrap(model, level="L2", adapter=adapter, sensitivity_interval=0)
+    stores: list[SavedTensorStore] = []
+    hooks = SavedTensorStore.hooks
+
+    def recording(self: SavedTensorStore, *args: Any, **kwargs: Any) -> Any:
+        stores.append(self)
+        return hooks(self, *args, **kwargs)
+
+    def step(kwargs: dict[str, torch.Tensor]) -> SavedTensorStore:
+        stores.clear()
+        with caplog.at_level(logging.INFO, logger="zoomem"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(SavedTensorStore, "hooks", recording)
+            model(**kwargs).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return stores[-1]
+
+    step(padded)  # plans
+    handle = model._zoomem
+    (long_sig,) = handle.plans
+    left = step(full)
+    assert left.smaller and left.diverged is not None and "on inputs smaller than its plan's" in caplog.text
+    key, _, planned = left.diverged
+    assert key.startswith("model.layers.0#") and planned == handle.plans[long_sig].saves[key] == "8x1x64x64 torch.float32"
+    (short_sig,) = handle.own
+    assert short_sig not in handle.plans and not handle.reused
+    caplog.clear()
+    own = step(full)
+    assert "planned LlamaForCausalLM for a new input signature" in caplog.text
+    assert not own.smaller and own.diverged is None and handle.plans[short_sig] is not handle.plans[long_sig]
+    assert step(full).diverged is None and len(handle.plans) == 2

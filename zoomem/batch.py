@@ -7,6 +7,7 @@ models given ``labels``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,17 @@ def no_larger(small: Any, large: Any) -> bool:
     if isinstance(small, tuple) and isinstance(large, tuple):
         return len(small) == len(large) and all(no_larger(a, b) for a, b in zip(small, large))
     return bool(small == large)
+
+
+def signature_numel(signature: Any) -> int:
+    """The elements of every tensor in a :meth:`Batch.signature`.
+
+    >>> signature_numel(Batch.of((torch.zeros(2, 30), torch.zeros(3))).signature())
+    63
+    """
+    if _tensor_signature(signature):
+        return math.prod(signature[0])
+    return sum(signature_numel(x) for x in signature) if isinstance(signature, tuple) else 0
 
 
 def _tensor_signature(x: Any) -> bool:

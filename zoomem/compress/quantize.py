@@ -24,7 +24,7 @@ from ..ops.packbits import pack_planes, unpack_planes
 from .triton_kernels import triton_dequantize, triton_quantize, use_triton
 
 __all__ = ["BITS", "GROUP_SIZE", "Quantized", "quantize", "dequantize", "quantized_nbytes", "group_layout",
-           "row_group", "scratch_nbytes", "seconds_per_byte", "seconds_per_call"]
+           "row_group", "row_dims", "rows_fit", "scratch_nbytes", "seconds_per_byte", "seconds_per_call"]
 
 BITS = (1, 2, 4, 8)
 GROUP_SIZE = 256
@@ -92,6 +92,34 @@ def row_group(row: int, group_size: int = GROUP_SIZE) -> int | None:
         if row % g == 0:
             return g
     return None
+
+
+def row_dims(shape: torch.Size | tuple[int, ...], row: int) -> int:
+    """How many trailing dimensions of ``shape`` make up a row of ``row`` elements (a norm's normalised dimensions);
+    0 where no trailing dimensions do. With it, :func:`rows_fit` checks a group size against other shapes.
+
+    >>> row_dims((8, 64, 128), 128), row_dims((8, 64, 128), 64)
+    (1, 0)
+    """
+    n = 1
+    for k, d in enumerate(reversed(shape), 1):
+        n *= d
+        if n == row:
+            return k
+        if n > row:
+            break
+    return 0
+
+
+def rows_fit(shape: torch.Size | tuple[int, ...], dims: tuple[int, ...], group_size: int) -> bool:
+    """Whether groups of ``group_size`` still follow the rows of a tensor of ``shape`` that backward reads in rows
+    of its last ``dims[i]`` dimensions (each a :func:`row_dims`; 0: rows of no trailing dimensions): a plan made
+    at other shapes runs its groups here only then (a norm over a dimension that shrank may no longer divide).
+
+    >>> rows_fit((8, 60, 128), (1,), 128), rows_fit((8, 2, 48), (1,), 64), rows_fit((8, 60), (0,), 32)
+    (True, False, False)
+    """
+    return bool(dims) and all(k > 0 and math.prod(shape[-k:]) % group_size == 0 for k in dims)
 
 
 def quantized_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int = GROUP_SIZE) -> int:

@@ -70,6 +70,10 @@ class SavedInfo:
     group: int = GROUP_SIZE
     """Elements per quantization group: fewer where backward reads it in rows that groups of the default size would
     mix (a 192-wide layer norm's input; :func:`zoomem.compress.quantize.row_group`)."""
+    row_dims: tuple[int, ...] = ()
+    """For a tensor grouped by :attr:`group` (read in rows): per read, how many of its trailing dimensions make up a
+    row (:func:`zoomem.compress.quantize.row_dims`; 0: no trailing ones). A plan reused at smaller inputs keeps
+    the groups only where they still divide the rows (:func:`zoomem.compress.quantize.rows_fit`)."""
     min_bits: int = 1
     """The narrowest width it may be stored in, whatever the level: 4 for a fused attention's query and key, whose
     rounding moves the probabilities through ``exp`` (:data:`zoomem.runtime.probe.EXP_MIN_BITS`)."""
@@ -96,7 +100,7 @@ class SavedInfo:
                 "nbytes": self.nbytes, "lossy": self.lossy, "sensitivity": self.sensitivity,
                 "input_of": list(self.input_of), "node": self.node, "unit_output": self.unit_output,
                 "held_through": self.held_through, "unit_input": self.unit_input, "dead_at": self.dead_at,
-                "shares": list(self.shares), "group": self.group,
+                "shares": list(self.shares), "group": self.group, "row_dims": list(self.row_dims),
                 "min_bits": self.min_bits, "lse_of": self.lse_of}
 
 

@@ -149,6 +149,13 @@ class Plan:
                 if d["key"] in self.bits and d.get("group", GROUP_SIZE) != GROUP_SIZE}
 
     @cached_property
+    def row_dims(self) -> dict[str, tuple[int, ...]]:
+        """For the keys of :attr:`groups`: per row read, the trailing dimensions its rows span
+        (:attr:`~zoomem.planner.compression.SavedInfo.row_dims`; empty in plans saved before it was kept), which
+        a run at smaller inputs checks the groups against. Worked out once, as :attr:`groups`."""
+        return {d["key"]: tuple(d.get("row_dims", ())) for d in self.saved if d["key"] in self.groups}
+
+    @cached_property
     def lse_of(self) -> dict[str, dict[str, Any]]:
         """Saved-tensor key of a fused attention's log-sum-exp -> what to recompute it from, where its query or key
         is lossy (:attr:`~zoomem.planner.compression.SavedInfo.lse_of`). Worked out once, as :attr:`groups`."""

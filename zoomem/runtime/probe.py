@@ -22,7 +22,7 @@ from torch import nn
 from ..adapters import Unit
 from ..autograd_graph import autograd_nodes
 from ..batch import Batch
-from ..compress.quantize import GROUP_SIZE, row_group
+from ..compress.quantize import GROUP_SIZE, row_dims, row_group
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
@@ -189,6 +189,7 @@ def _group_rows(info: SavedInfo, row: int, name: str) -> int:
         info.lossy = f"read in rows of {row} by {name}, and no quantization group follows them"
         return 1
     info.group = group
+    info.row_dims += (row_dims(info.shape, row),)
     return 0
 
 

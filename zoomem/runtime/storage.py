@@ -20,7 +20,8 @@ without padding saves one tensor fewer per layer; a mixture of experts skips exp
 With ``saves`` (what the plan's forward saved under each key, :func:`save_sig`) the store compares every save with
 it: at the first difference it goes on with a variant that saved the same so far (:attr:`SavedTensorStore.variants`),
 else from there on it stores every tensor exactly (:attr:`SavedTensorStore.diverged` says where) and logs a
-warning once per difference.
+warning once per difference. A plan made for larger inputs (dynamic padding's shorter batches run the longest's)
+is compared by dtype, rank and no dimension larger (:attr:`SavedTensorStore.smaller`).
 
 A tensor saved twice (a linear's input that is also the previous GELU's output) is stored once: the second save
 gets the first one's packed object. So is a view saved beside the contiguous tensor it lies in, in either order
@@ -42,13 +43,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..compress.quantize import GROUP_SIZE, Quantized, dequantize, quantize
+from ..compress.quantize import GROUP_SIZE, Quantized, dequantize, quantize, rows_fit
 from ..measure import tensor_nbytes
 from ..ops.attention import attention_logsumexp
 from ..ops.functional import separate_masks
 from ..planner.compression import DUPLICATE, SavedInfo, region_of
 
-__all__ = ["SavedTensorStore", "lossy_reason", "save_sig", "save_sigs", "MIN_NUMEL"]
+__all__ = ["SavedTensorStore", "lossy_reason", "save_sig", "save_sigs", "save_within", "MIN_NUMEL"]
 
 MIN_NUMEL = 4096
 """Tensors smaller than this are never stored lossily: their bytes do not matter and their statistics might."""
@@ -165,6 +166,21 @@ def save_sig(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> str:
     return f"{'x'.join(map(str, shape))} {dtype}"
 
 
+def save_within(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, planned: str) -> bool:
+    """Whether a save of ``shape`` and ``dtype`` may be the one a plan for larger inputs saved as ``planned``
+    (:func:`save_sig`): the same dtype and rank, no dimension larger.
+
+    >>> save_within((8, 60, 128), torch.float32, "8x64x128 torch.float32"), save_within((480, 128), torch.float32,
+    ...     "8x64x128 torch.float32")
+    (True, False)
+    """
+    dims, _, planned_dtype = planned.partition(" ")
+    if planned_dtype != str(dtype):
+        return False
+    want = tuple(int(d) for d in dims.split("x")) if dims else ()
+    return len(want) == len(shape) and all(a <= b for a, b in zip(shape, want))
+
+
 def save_sigs(infos: Any) -> dict[str, str]:
     """:attr:`~zoomem.planner.Plan.saves` of a plan made from ``infos`` (the probe's :class:`SavedInfo` list)."""
     return {i.key: save_sig(i.shape, i.dtype) for i in infos}
@@ -205,6 +221,14 @@ class SavedTensorStore:
     packed_nbytes: int = 0
     """Bytes the quantized forms of the last forward held."""
     saves: Mapping[str, str] = field(default_factory=dict)
+    smaller: bool = False
+    """The plan was made for larger inputs (the same inputs and dtypes, no dimension smaller: dynamic padding's
+    longer batch): a save matches :attr:`saves` where its dtype and rank are the planned ones and no dimension is
+    larger (:func:`save_within`), and a tensor grouped by rows is stored exactly where the groups no longer divide
+    them (:attr:`row_dims`)."""
+    row_dims: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """With :attr:`smaller`: for the keys of :attr:`groups`, the trailing dimensions each row read spans
+    (:attr:`~zoomem.planner.Plan.row_dims`)."""
     variants: list[dict[str, Mapping[str, Any]]] = field(default_factory=list)
     """Other plans for the same input signature, made on batches whose forward saved other tensors: each a dict of
     ``saves``, ``bits``, ``groups`` and ``lse_of``. At the first save that differs from :attr:`saves`, the store
@@ -278,7 +302,7 @@ class SavedTensorStore:
             if not self.record:
                 self.tensors, self.duplicates = {}, {}
             if self.diverged is not None:
-                _warn_diverged(*self.diverged)
+                _warn_diverged(*self.diverged, smaller=self.smaller)
 
     def unit_returned(self, name: str, output: Any) -> None:
         """Recording: mark the tensors unit ``name`` saved that are (views of) what it returns. Packing them frees
@@ -303,7 +327,10 @@ class SavedTensorStore:
         key = f"{region}#{k}"
         if self.saves and self.diverged is None and not self.record:
             got, want = save_sig(t.shape, t.dtype), self.saves.get(key, "nothing")
-            if got != want and not self._take_variant(key, got):
+            if self.smaller:
+                if not save_within(t.shape, t.dtype, want):
+                    self.diverged = (key, got, want)
+            elif got != want and not self._take_variant(key, got):
                 self.diverged = (key, got, want)
             if self.variants:
                 self._history.append((key, got))
@@ -329,8 +356,12 @@ class SavedTensorStore:
         packed = _Packed(data, key=key, store=self) if self.record else _Packed(data)
         bits = self.bits.get(key) if self.diverged is None else None
         reason = lossy_reason(t, self.min_numel, self._leaves) if (bits or self.record) else "not asked"
+        group = self.groups.get(key, GROUP_SIZE)
+        if bits and reason is None and self.smaller and key in self.groups \
+                and not rows_fit(t.shape, self.row_dims.get(key, ()), group):
+            reason = f"its rows no longer follow groups of {group} at this shape"
         if bits and reason is None:
-            q = quantize(t, bits, self.groups.get(key, GROUP_SIZE), generator=self.generator)
+            q = quantize(t, bits, group, generator=self.generator)
             if q is not None:
                 if self.offload and t.device.type != "cpu":
                     q, packed.device = q.to("cpu", non_blocking=True), t.device
@@ -458,15 +489,20 @@ def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
             yield leaf
 
 
-def _warn_diverged(key: str, got: str, want: str) -> None:
+def _warn_diverged(key: str, got: str, want: str, smaller: bool = False) -> None:
     """Log, once per difference, that a forward left its plan's saves (see the module docstring)."""
-    msg = (f"zoomem: a training forward saved {got} as {key}, where its plan's forward saved {want}: the model's "
-           "control flow depends on the batch's values (an attention mask left out of a batch without padding, "
-           "experts that get no tokens), so its saved tensors no longer match the plan's. From there on that "
-           "forward stored every tensor exactly: its gradients carry no lossy storage it was not planned for, "
-           "but the step holds more than the plan predicted. Under a compression level in one process, zoomem "
-           "plans such batches apart at the next step (a few variants per input signature at most); otherwise "
-           "batches of one kind per signature (all padded) or a lossless budget avoid it.")
+    if smaller:
+        msg = (f"zoomem: a training forward on inputs smaller than its plan's saved {got} as {key}, where the plan's "
+               f"forward saved {want}: control flow that depends on the shape or the batch's values. From there on "
+               "that forward stored every tensor exactly; its input signature plans on its own at the next step.")
+    else:
+        msg = (f"zoomem: a training forward saved {got} as {key}, where its plan's forward saved {want}: the model's "
+               "control flow depends on the batch's values (an attention mask left out of a batch without padding, "
+               "experts that get no tokens), so its saved tensors no longer match the plan's. From there on that "
+               "forward stored every tensor exactly: its gradients carry no lossy storage it was not planned for, "
+               "but the step holds more than the plan predicted. Under a compression level in one process, zoomem "
+               "plans such batches apart at the next step (a few variants per input signature at most); otherwise "
+               "batches of one kind per signature (all padded) or a lossless budget avoid it.")
     if msg not in _WARNED:
         _WARNED.add(msg)
         logger.warning(msg)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..adapters import Adapter, Unit, get_adapter
 from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning
-from ..batch import Batch, no_larger
+from ..batch import Batch, no_larger, signature_numel
 from ..graph import OpGraph, trace
 from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_excess, measure_timeline,
                               meter_busy)
@@ -71,11 +71,14 @@ class _Active:
     step's cache is not left with some layers only."""
 
     @classmethod
-    def of(cls, plan: Plan, generator: torch.Generator | None = None, variants: Sequence[Plan] = ()) -> "_Active":
+    def of(cls, plan: Plan, generator: torch.Generator | None = None, variants: Sequence[Plan] = (),
+           smaller: bool = False) -> "_Active":
+        """``smaller``: the plan runs a step on inputs smaller than it was made for (:meth:`_Handle._larger_plan`)."""
         store = SavedTensorStore(
             bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload, generator=generator,
-            saves=plan.saves, variants=[{"saves": v.saves, "bits": v.bits, "groups": v.groups, "lse_of": v.lse_of}
-                                        for v in variants]) if plan.bits else None
+            saves=plan.saves, smaller=smaller, row_dims=plan.row_dims if smaller else {},
+            variants=[] if smaller else [{"saves": v.saves, "bits": v.bits, "groups": v.groups, "lse_of": v.lse_of}
+                                         for v in variants]) if plan.bits else None
         compact = _compact_of(plan)
         feeds = frozenset(a.name for a, b in zip(plan.units, plan.units[1:]) if b.decision == Decision.RECOMPUTE_CHAIN)
         recomputes = any(d != Decision.KEEP for d in plan.decisions.values())
@@ -157,6 +160,10 @@ class _Handle:
     """Per plan signature, plans of a compression level made on batches of that signature whose forward saved other
     tensors than the plan's (control flow that depends on the batch's values): the store goes on with one of them
     at the first save that differs (:attr:`SavedTensorStore.variants`)."""
+    reused: dict[tuple, tuple] = field(default_factory=dict)  # type: ignore[type-arg]
+    """Plan keys whose steps run the plan of larger inputs (:meth:`_larger_plan`) -> that plan's key."""
+    own: set[tuple] = field(default_factory=set)  # type: ignore[type-arg]
+    """Plan keys whose forward left the saves of the larger inputs' plan they ran: they plan on their own."""
     pending: tuple[tuple, Batch] | None = None
     """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
     at the next training forward."""
@@ -183,6 +190,8 @@ class _Handle:
         """Forget every cached plan: the next training forward plans again."""
         self.plans.clear()
         self.planning.clear()
+        self.reused.clear()
+        self.own.clear()
         self.variants.clear()
         self.variant_tries.clear()
         self.pending = None
@@ -197,9 +206,10 @@ class _Handle:
     def device(self) -> torch.device:
         return _model_device(self.model)
 
-    def active_for(self, plan: Plan) -> _Active:
+    def active_for(self, plan: Plan, smaller: bool = False) -> _Active:
+        """What runs ``plan`` in a forward (``smaller``: on inputs smaller than it was made for)."""
         return _Active.of(plan, self.generator(self.device()) if plan.bits else None,
-                          self.variants.get(plan.signature, ()) if plan.signature else ())
+                          self.variants.get(plan.signature, ()) if plan.signature else (), smaller)
 
     @contextlib.contextmanager
     def planning_scope(self) -> Iterator[None]:
@@ -228,7 +238,7 @@ class _Handle:
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
             if grads_held and meter_busy(quiet=True) and (
-                    first in self.plans or self._larger_plan(first) is not None):
+                    first in self.plans or self._larger_plan(first)[1] is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
         if self.lossy and world_size() > 1 and not same_everywhere(repr(sig)):  # (no repr per step in one process)
@@ -240,13 +250,17 @@ class _Handle:
         if cached is not None:
             if sig in self.planning and refresh_due(self.steps, self.sensitivity_interval):
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
+                for smaller, source in self.reused.items():  # they run this plan
+                    if source == sig:
+                        self.plans[smaller] = cached
             return cached
-        larger = self._larger_plan(sig)
+        source, larger = self._larger_plan(sig)
         if larger is not None:
-            self.plans[sig] = larger
+            self.plans[sig], self.reused[sig] = larger, source
             _log_rank0("zoomem: %s's new input signature is no larger than one planned already: it runs that plan "
-                       "(predicted peak %.1f MiB at the larger inputs)", type(self.model).__name__,
-                       larger.predicted_peak_bytes / _MIB, every_rank=True)
+                       "(predicted peak %.1f MiB at the larger inputs%s)", type(self.model).__name__,
+                       larger.predicted_peak_bytes / _MIB, ", its bits measured there" if larger.bits else "",
+                       every_rank=not self.lossy)
             return larger
         def make() -> Plan:
             return self._make_plan(batch, grads_held)
@@ -284,7 +298,12 @@ class _Handle:
     def left_its_saves(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
         """A training forward on ``batch`` saved other tensors than its plan's forward and its variants' (the store
         stored exactly from there): plan a variant on it at the next training forward, for a compression level
-        (its units all kept, its bits the whole plan) in one process, up to :data:`MAX_VARIANTS` per signature."""
+        (its units all kept, its bits the whole plan) in one process, up to :data:`MAX_VARIANTS` per signature. A
+        signature that ran a larger one's plan (:attr:`reused`) plans on its own at its next step instead."""
+        if sig in self.reused:  # the larger inputs' plan does not fit this signature's forward: plan it apart
+            del self.plans[sig], self.reused[sig]
+            self.own.add(sig)
+            return
         plan = self.plans.get(sig)
         if (self.pending is None and plan is not None and self.level is not None and self.level.lossy
                 and self.compress is None and world_size() == 1
@@ -325,15 +344,18 @@ class _Handle:
         measured at one shape, and shared by every DDP rank."""
         return _lossy(self.level, self.compress)
 
-    def _larger_plan(self, sig: tuple) -> Plan | None:  # type: ignore[type-arg]
+    def _larger_plan(self, sig: tuple) -> tuple[tuple | None, Plan | None]:  # type: ignore[type-arg]
         """A plan made for inputs at least as large as ``sig``'s (:func:`~zoomem.batch.no_larger`; the same train
-        mode and gradients flag), the one recomputing least, where such a plan may run ``sig``'s step: activations
-        only shrink with the inputs, and lossless decisions (keep, recompute, compact forms) do not depend on
-        shapes. Not for lossy plans (their bits and groups are per tensor, measured at one shape)."""
-        if not self.reuse_plans or self.lossy:
-            return None
-        fits = [p for k, p in self.plans.items() if k[1:] == sig[1:] and not p.bits and no_larger(sig[0], k[0])]
-        return min(fits, key=lambda p: p.recompute_s, default=None)
+        mode and gradients flag) and its key, the one recomputing least (of those, made for the smallest inputs),
+        where such a plan may run ``sig``'s step: activations only shrink with the inputs, and lossless decisions
+        (keep, recompute, compact forms) do not depend on shapes. A lossy plan's bits stay those measured at its
+        shape, its saves are compared by rank and size (:attr:`SavedTensorStore.smaller`), and its row-following
+        groups kept only where they still divide the rows. Not for :attr:`own` keys."""
+        if not self.reuse_plans or sig in self.own:
+            return None, None
+        fits = [(k, p) for k, p in self.plans.items()
+                if k[1:] == sig[1:] and k not in self.reused and no_larger(sig[0], k[0])]
+        return min(fits, key=lambda kp: (kp[1].recompute_s, signature_numel(kp[0][0])), default=(None, None))
 
     def compress_scale(self, batch: Batch, measure: Callable[[], float | None]) -> float:
         """The scale of lossy prices for a plan on ``batch``: the one of its input signature, else one measured at
@@ -1283,8 +1305,10 @@ def wrap(
             product). Eval, ``no_grad`` and forwards without labels return them as usual.
         reuse_plans: a training step whose inputs are no larger than a planned one's (the same inputs and dtypes,
             no dimension larger: dynamic padding's shorter batches, a last smaller batch) runs that plan instead
-            of planning its own, unmeasured at its own shape. Lossless plans only, one process only (lossy plans
-            and DDP ranks plan every new signature). ``False``: every new signature plans.
+            of planning its own, unmeasured at its own shape; a lossy plan with the bits measured at its shape,
+            its row-following groups kept where they still divide the rows, and a signature whose forward saves
+            other tensors than that plan's plans on its own at its next step. ``False``: every new signature
+            plans.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -1336,7 +1360,8 @@ def wrap(
 
     def planned(*args: Any, **kwargs: Any) -> Any:
         batch = Batch(tuple(args), dict(kwargs))
-        handle.active = handle.active_for(handle.plan_for(batch))
+        plan = handle.plan_for(batch)
+        handle.active = handle.active_for(plan, smaller=handle.last_sig in handle.reused)
         handle.steps += 1
         try:
             with handle.active.hooks(model, batch):
