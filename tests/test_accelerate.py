@@ -139,15 +139,18 @@ def test_ranks_whose_inputs_differ_in_shape_plan_their_own(ddp: SimpleNamespace)
     """Dynamic padding under DDP (tests/launch/ddp_checks.py ``SHAPES``): with a lossless budget each rank plans
     for its own lengths when it meets them (rank 1 alone at step 1: no collective, so nothing waits) and runs a
     larger length's plan for shorter ones; the losses and parameters are plain Accelerate's, equal across ranks.
-    Under L2, whose bits every rank shares, both ranks raise at the first step whose shapes differ."""
+    Under L2, whose bits every rank shares, a shorter length met by both ranks runs the plan of the longer one
+    (one plan, the same bits on both), and both ranks raise at the first step whose shapes differ."""
     r0, r1 = ddp.ranks
     for r in ddp.ranks:
         assert r["shapes_helper_losses"] == pytest.approx(r["shapes_plain_losses"], rel=1e-6)
         assert r["shapes_max_param_diff"] <= 1e-5, r["shapes_max_param_diff"]
     assert r0["shapes_param_checksum"] == r1["shapes_param_checksum"]
     assert len(r0["shapes_plans"]) == 1 and len(r1["shapes_plans"]) == 2, (r0["shapes_plans"], r1["shapes_plans"])
+    assert len(r0["shapes_lossy_bits"]) == 1 and r0["shapes_lossy_bits"] == r1["shapes_lossy_bits"]
+    assert r0["shapes_lossy_bits"][0]  # (json makes the pairs lists on both ranks alike)
     for rank, r in enumerate(ddp.ranks):
-        assert r["shapes_lossy_step"] == 1, r["shapes_lossy_error"]
+        assert r["shapes_lossy_step"] == 2, r["shapes_lossy_error"]
         assert f"rank {rank} meets" in r["shapes_lossy_error"] and "padding='max_length'" in r["shapes_lossy_error"]
 
 

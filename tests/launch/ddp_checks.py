@@ -295,7 +295,8 @@ def shapes(out: dict[str, Any]) -> None:
     """Dynamic padding under DDP. Lossless: each rank plans for its own inputs when it meets them (rank 1 alone at
     step 1, with no collective for rank 0 to wait in) and reuses a larger length's plan; the DDP steps give plain
     Accelerate's losses and parameters. Lossy (L2, bits shared by every rank): both ranks raise at the first step
-    whose shapes differ, instead of one planning alone while the other waits for good."""
+    whose shapes differ, instead of one planning alone while the other waits for good; a shorter length both
+    meet runs the longer one's plan."""
     params = {}
     for how in ("plain", "helper"):
         acc = fresh_accelerator()
@@ -316,15 +317,18 @@ def shapes(out: dict[str, Any]) -> None:
     acc = fresh_accelerator()
     model, opt = setup(acc, "helper", level="L2")
     out["shapes_lossy_error"] = None
-    for step in range(2):
-        try:  # one shape at step 0, two at step 1
-            loss = model(**cut(step, acc.process_index, SEQ - 8 * step * acc.process_index)).loss
+    lengths = ((SEQ, SEQ), (SEQ - 8, SEQ - 8), (SEQ, SEQ - 8))
+    for step, length in enumerate(lengths):
+        try:  # one shape at step 0; a shorter one at step 1, on both ranks (the longer one's plan); two at step 2
+            loss = model(**cut(step, acc.process_index, length[acc.process_index])).loss
         except RuntimeError as exc:
             out["shapes_lossy_error"], out["shapes_lossy_step"] = str(exc), step
             break
         acc.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if step == 1:  # one plan (made at step 0, rank 0's): its bits on both ranks
+            out["shapes_lossy_bits"] = [sorted(p.bits.items()) for p in za.plans(model)]
     torch.distributed.barrier()
 
 

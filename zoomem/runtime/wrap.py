@@ -299,10 +299,13 @@ class _Handle:
         """A training forward on ``batch`` saved other tensors than its plan's forward and its variants' (the store
         stored exactly from there): plan a variant on it at the next training forward, for a compression level
         (its units all kept, its bits the whole plan) in one process, up to :data:`MAX_VARIANTS` per signature. A
-        signature that ran a larger one's plan (:attr:`reused`) plans on its own at its next step instead."""
+        signature that ran a larger one's plan (:attr:`reused`) plans on its own at its next step instead, in one
+        process (under DDP a lossy plan is made by every rank at once, and the others' forwards may not have left
+        it: such forwards go on storing exactly from the difference, as those of a signature's own plan do)."""
         if sig in self.reused:  # the larger inputs' plan does not fit this signature's forward: plan it apart
-            del self.plans[sig], self.reused[sig]
-            self.own.add(sig)
+            if world_size() == 1:
+                del self.plans[sig], self.reused[sig]
+                self.own.add(sig)
             return
         plan = self.plans.get(sig)
         if (self.pending is None and plan is not None and self.level is not None and self.level.lossy
