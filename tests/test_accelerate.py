@@ -139,19 +139,25 @@ def test_ranks_whose_inputs_differ_in_shape_plan_their_own(ddp: SimpleNamespace)
     """Dynamic padding under DDP (tests/launch/ddp_checks.py ``SHAPES``): with a lossless budget each rank plans
     for its own lengths when it meets them (rank 1 alone at step 1: no collective, so nothing waits) and runs a
     larger length's plan for shorter ones; the losses and parameters are plain Accelerate's, equal across ranks.
-    Under L2, whose bits every rank shares, a shorter length met by both ranks runs the plan of the longer one
-    (one plan, the same bits on both), and both ranks raise at the first step whose shapes differ."""
+    Under L2, whose bits every rank shares (``LOSSY_SHAPES``): every step runs one plan on both ranks, the one for
+    the largest inputs; rank 1 plans alone where its inputs hold rank 0's and nothing is cached for them, and both
+    ranks raise where neither's inputs hold the other's."""
     r0, r1 = ddp.ranks
     for r in ddp.ranks:
         assert r["shapes_helper_losses"] == pytest.approx(r["shapes_plain_losses"], rel=1e-6)
         assert r["shapes_max_param_diff"] <= 1e-5, r["shapes_max_param_diff"]
     assert r0["shapes_param_checksum"] == r1["shapes_param_checksum"]
     assert len(r0["shapes_plans"]) == 1 and len(r1["shapes_plans"]) == 2, (r0["shapes_plans"], r1["shapes_plans"])
-    assert len(r0["shapes_lossy_bits"]) == 1 and r0["shapes_lossy_bits"] == r1["shapes_lossy_bits"]
-    assert r0["shapes_lossy_bits"][0]  # (json makes the pairs lists on both ranks alike)
+    steps = len(L.LOSSY_SHAPES) - 1
     for rank, r in enumerate(ddp.ranks):
-        assert r["shapes_lossy_step"] == 2, r["shapes_lossy_error"]
-        assert f"rank {rank} meets" in r["shapes_lossy_error"] and "padding='max_length'" in r["shapes_lossy_error"]
+        assert r["shapes_lossy_step"] == steps, r["shapes_lossy_error"]
+        assert f"rank {rank} meets" in r["shapes_lossy_error"] and "no rank's inputs" in r["shapes_lossy_error"]
+    (bits0, smaller0), (bits1, smaller1) = zip(*r0["shapes_lossy_ran"]), zip(*r1["shapes_lossy_ran"])
+    assert len(bits0) == steps and bits0 == bits1 and all(bits0), (bits0, bits1)  # one plan per step, both ranks
+    assert bits0[0] == bits0[3] != bits0[1] == bits0[2]  # 56's plan (rank 1's, alone) at steps 0 and 3; 64's
+    assert smaller0 == (True, False, True, False) and smaller1 == (False, False, True, True)
+    assert r0["shapes_lossy_param_checksum"] == r1["shapes_lossy_param_checksum"]
+    assert "rank 1, whose inputs hold the others', planned" in ddp.stderr
 
 
 def test_a_budget_one_ranks_inputs_cannot_meet_stops_the_launch(tmp_path: Path) -> None:

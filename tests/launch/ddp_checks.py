@@ -286,6 +286,13 @@ SHAPES = ((64, 56), (64, 60), (48, 40))
 has no plan for, and at step 2 both meet lengths no larger than planned ones."""
 
 
+LOSSY_SHAPES = (((BATCH, BATCH), (48, 56)), ((BATCH, BATCH), (64, 64)), ((BATCH, BATCH), (60, 40)),
+                ((BATCH, BATCH), (56, 52)), ((BATCH, BATCH // 2), (40, 64)))
+"""Per step under ``L2``, (rank 0's and rank 1's rows, their lengths): rank 1's inputs hold rank 0's and it plans
+for both alone; one shape, planned together; a length no plan has, under the longer one's plan; the plan made at
+step 0 again; and inputs neither of which holds the other's (fewer rows, longer ones), which every rank refuses."""
+
+
 def cut(step: int, rank: int, length: int) -> dict[str, torch.Tensor]:
     """:func:`batch` with its sequences cut to ``length`` tokens."""
     return {k: v[:, :length] if v.dim() == 2 else v for k, v in batch(step, rank).items()}
@@ -294,9 +301,9 @@ def cut(step: int, rank: int, length: int) -> dict[str, torch.Tensor]:
 def shapes(out: dict[str, Any]) -> None:
     """Dynamic padding under DDP. Lossless: each rank plans for its own inputs when it meets them (rank 1 alone at
     step 1, with no collective for rank 0 to wait in) and reuses a larger length's plan; the DDP steps give plain
-    Accelerate's losses and parameters. Lossy (L2, bits shared by every rank): both ranks raise at the first step
-    whose shapes differ, instead of one planning alone while the other waits for good; a shorter length both
-    meet runs the longer one's plan."""
+    Accelerate's losses and parameters. Lossy (L2, bits shared by every rank, :data:`LOSSY_SHAPES`): every rank
+    runs the plan of the largest inputs, which the rank that has them makes alone where none is cached; inputs
+    neither of which holds the other's raise on every rank."""
     params = {}
     for how in ("plain", "helper"):
         acc = fresh_accelerator()
@@ -316,19 +323,28 @@ def shapes(out: dict[str, Any]) -> None:
     out["shapes_plans"] = [p.signature for p in za.plans(model)]
     acc = fresh_accelerator()
     model, opt = setup(acc, "helper", level="L2")
-    out["shapes_lossy_error"] = None
-    lengths = ((SEQ, SEQ), (SEQ - 8, SEQ - 8), (SEQ, SEQ - 8))
-    for step, length in enumerate(lengths):
-        try:  # one shape at step 0; a shorter one at step 1, on both ranks (the longer one's plan); two at step 2
-            loss = model(**cut(step, acc.process_index, length[acc.process_index])).loss
+    handle = za._bare(model).__dict__["_zoomem"]
+    active_for, ran = handle.active_for, []
+
+    def recording(plan: Any, smaller: bool = False) -> Any:
+        ran.append((sorted(plan.bits.items()), smaller))
+        return active_for(plan, smaller)
+
+    handle.active_for = recording
+    out["shapes_lossy_error"], out["shapes_lossy_ran"] = None, []
+    for step, (rows, lengths) in enumerate(LOSSY_SHAPES):
+        try:
+            kwargs = {k: v[:rows[acc.process_index]] for k, v in cut(step, acc.process_index,
+                                                                      lengths[acc.process_index]).items()}
+            loss = model(**kwargs).loss
         except RuntimeError as exc:
             out["shapes_lossy_error"], out["shapes_lossy_step"] = str(exc), step
             break
         acc.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step == 1:  # one plan (made at step 0, rank 0's): its bits on both ranks
-            out["shapes_lossy_bits"] = [sorted(p.bits.items()) for p in za.plans(model)]
+        out["shapes_lossy_ran"].append(ran[-1])
+    out["shapes_lossy_param_checksum"] = flat(model.parameters()).sum().item()
     torch.distributed.barrier()
 
 

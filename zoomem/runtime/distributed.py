@@ -3,9 +3,11 @@ plan's budget counts).
 
 Lossy plans keep bits per saved tensor that every rank must share: their sensitivities are averaged over ranks
 and every rank takes rank 0's plan (:func:`all_reduce_mean`, :func:`from_rank0`), so those ranks plan together,
-at the same steps and for inputs of one shape (:func:`same_everywhere`). Lossless plans need none of this: each
-rank plans for its own inputs, when it meets them, with no collective. Every collective here is a no-op without
-an initialised process group of more than one rank.
+at the same steps, at steps where their inputs have one shape (:func:`same_everywhere`); at a step where they do
+not, the rank with the largest inputs plans alone and sends its plan to the others (:func:`gather`,
+:func:`from_rank`). Lossless plans need none of this: each rank plans for its own inputs, when it meets them,
+with no collective. Every collective here is a no-op without an initialised process group of more than one
+rank, or inside :func:`alone`.
 """
 
 from __future__ import annotations
@@ -19,16 +21,32 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["world_size", "all_reduce_mean", "from_rank0", "same_everywhere", "bucket_bytes", "ddp_of", "holding"]
+__all__ = ["world_size", "all_reduce_mean", "from_rank0", "from_rank", "alone", "gather", "same_everywhere",
+           "bucket_bytes", "ddp_of", "holding"]
 
 T = TypeVar("T")
 
 
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("zoomem_alone", default=False)
+
+
 def world_size() -> int:
-    """Ranks of the default process group (1 when there is none)."""
+    """Ranks of the default process group (1 when there is none, and inside :func:`alone`)."""
     import torch.distributed as dist
 
+    if _ALONE.get():
+        return 1
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Inside, this rank works as if it were the only one: zoomem's collectives are no-ops (:func:`from_rank`)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
 
 
 def _device() -> torch.device:
@@ -78,6 +96,43 @@ def from_rank0(make: Callable[[], T], encode: Callable[[T], str], decode: Callab
     return decode(value, local)  # type: ignore[arg-type]
 
 
+def from_rank(src: int, make: Callable[[], T], encode: Callable[[T], str], decode: Callable[[str, None], T]) -> T:
+    """Run ``make`` on rank ``src`` alone (:func:`alone`: its collectives off) and return its result on every rank
+    (``encode``d there, ``decode(text, None)`` elsewhere); where it fails, every rank raises its error. The other
+    ranks wait in the broadcast meanwhile."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return make()
+    local: T | None = None
+    error: BaseException | None = None
+    payload: list[object] = [None]
+    if dist.get_rank() == src:
+        try:
+            with alone():
+                local = make()
+            payload = [("ok", encode(local))]
+        except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+            error = exc
+            payload = [("error", _picklable(exc, src))]
+    dist.broadcast_object_list(payload, src=src, device=_device())
+    kind, value = payload[0]  # type: ignore[misc]
+    if kind == "error":
+        raise error if error is not None else value  # type: ignore[misc]
+    return local if local is not None else decode(value, None)  # type: ignore[arg-type]
+
+
+def gather(obj: T) -> list[T]:
+    """Every rank's ``obj`` (picklable), by rank, over the group of :func:`same_everywhere`."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_cpu_group())
+    return out
+
+
 _SIDE: list[Any] = []
 """The gloo group :func:`same_everywhere` reduces over where the default group is not gloo (made once, lazily)."""
 
@@ -107,14 +162,14 @@ def same_everywhere(key: str) -> bool:
     return int(vec[0]) == -int(vec[1])
 
 
-def _picklable(error: BaseException) -> BaseException:
+def _picklable(error: BaseException, rank: int = 0) -> BaseException:
     import pickle
 
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001
-        return RuntimeError(f"zoomem planning failed on rank 0: {type(error).__name__}: {error}")
+        return RuntimeError(f"zoomem planning failed on rank {rank}: {type(error).__name__}: {error}")
 
 
 # -- DDP's gradient buckets ----------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
-from .distributed import all_reduce_mean, bucket_bytes, ddp_of, from_rank0, same_everywhere, world_size
+from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
+                          world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
 from .probe import probe_saved
@@ -170,6 +171,8 @@ class _Handle:
     variant_tries: dict[str, int] = field(default_factory=dict)
     """Per plan signature, variants planned so far, kept or not (at most :data:`MAX_VARIANTS`)."""
     last_sig: tuple | None = None  # type: ignore[type-arg]
+    runs_smaller: bool = False
+    """The plan :meth:`plan_for` gave last was made for larger inputs than the step's (:meth:`_larger_plan`)."""
     compress_scales: dict[tuple, float | None] = field(default_factory=dict)
     """Per input signature and training mode, the scale of lossy prices (:func:`_compression_scale`; ``None`` where
     it could not be measured): one measurement for every plan of that step, so that plans at different budgets are
@@ -241,9 +244,9 @@ class _Handle:
                     first in self.plans or self._larger_plan(first)[1] is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
+        self.last_sig, self.runs_smaller = sig, sig in self.reused
         if self.lossy and world_size() > 1 and not same_everywhere(repr(sig)):  # (no repr per step in one process)
-            _refuse_other_shapes(sig)
-        self.last_sig = sig
+            return self._shared_plan(sig, batch)
         if self.pending is not None and not meter_busy(quiet=True):
             self._plan_variant(*self.pending)
         cached = self.plans.get(sig)
@@ -256,7 +259,7 @@ class _Handle:
             return cached
         source, larger = self._larger_plan(sig)
         if larger is not None:
-            self.plans[sig], self.reused[sig] = larger, source
+            self.plans[sig], self.reused[sig], self.runs_smaller = larger, source, True
             _log_rank0("zoomem: %s's new input signature is no larger than one planned already: it runs that plan "
                        "(predicted peak %.1f MiB at the larger inputs%s)", type(self.model).__name__,
                        larger.predicted_peak_bytes / _MIB, ", its bits measured there" if larger.bits else "",
@@ -287,6 +290,44 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def _shared_plan(self, sig: tuple, batch: Batch) -> Plan:  # type: ignore[type-arg]
+        """A training step whose inputs differ in shape by rank, under lossy plans (bits every rank shares): where
+        one rank's inputs hold every other's (:func:`~zoomem.batch.no_larger`: dynamic padding, with rows of one
+        batch size), every rank runs the plan for those largest inputs, as shorter inputs run a longer one's in one
+        process: the one cached for them or for larger ones, else one that rank makes alone and sends to the others
+        (:func:`~zoomem.runtime.distributed.from_rank`). That plan keeps the sensitivities it was made with (every
+        rank refreshes them together, at one shape). Where no rank's inputs hold every other's, every rank raises
+        (:func:`_refuse_other_shapes`). Every rank decides alike, from every rank's key and from caches that stay
+        alike on every rank: such steps add the largest inputs' entry only, each rank's own key staying uncached."""
+        keys = gather(sig)
+        top = next((k for k in keys if all(o[1:] == k[1:] and no_larger(o[0], k[0]) for o in keys)), None)
+        if top is None:
+            _refuse_other_shapes(sig)
+        plan, source = self.plans.get(top), self.reused.get(top, top)
+        if plan is None:
+            source, plan = self._larger_plan(top)
+            if plan is None:
+                owner = keys.index(top)
+
+                def make() -> Plan:
+                    with self.planning_scope():
+                        new = self._make_plan(batch, top[2])
+                    planning = new.extras.pop("_planning", None)  # (no refresh: see above)
+                    if planning is not None:
+                        new.saves = save_sigs(planning.infos)
+                    return new
+
+                plan, source = from_rank(owner, make, _encode_plan, _decode_plan), top
+                plan.signature = repr(top[0]) + (" with the gradients held (a later micro-batch)" if top[2] else "")
+                _log_rank0("zoomem: the ranks' inputs differ in shape at this step: rank %d, whose inputs hold the "
+                           "others', planned %s for them (predicted peak %.1f MiB there); every rank runs it",
+                           owner, type(self.model).__name__, plan.predicted_peak_bytes / _MIB)
+            self.plans[top] = plan
+            if source != top:
+                self.reused[top] = source
+        self.runs_smaller = sig != top or source != top  # (this rank's key stays uncached: ranks' caches stay alike)
+        return plan
 
     def _make_plan(self, batch: Batch, grads_held: bool) -> Plan:
         """A plan for a step on ``batch`` under this wrap's settings (call inside :meth:`planning_scope`)."""
@@ -442,18 +483,18 @@ def _decode_plan(text: str, local: Plan | None) -> Plan:
 
 
 def _refuse_other_shapes(sig: tuple) -> None:  # type: ignore[type-arg]
-    """Lossy plans under DDP: every rank takes rank 0's bits, measured at rank 0's inputs, so the ranks plan
-    together and must meet inputs of one shape at every step (:func:`~zoomem.runtime.distributed.same_everywhere`
-    says whether they do). Where they do not, every rank raises here, at the same step, instead of one rank
-    planning alone while the others wait in a collective for good."""
+    """Lossy plans under DDP: every rank runs one plan, made for inputs that hold every rank's
+    (:meth:`_Handle._shared_plan`). Where no rank's inputs hold every other's (one rank's batch has fewer rows, the
+    other's longer ones), every rank raises here, at the same step."""
     import torch.distributed as dist
 
     raise RuntimeError(
         f"zoomem under DDP: rank {dist.get_rank()} meets {sig!r} (inputs, training, gradients held) at this step, "
-        "where another rank meets inputs of another shape. Lossy plans (compression levels, compress='auto') keep "
-        "bits per saved tensor that every rank shares, measured at one shape: give every rank batches of one shape "
-        "per step (pad to a fixed length, e.g. a tokenizer's padding='max_length', or a collator's fixed size), "
-        "or train with a lossless budget, whose plans are made per rank for its own inputs."
+        "and no rank's inputs are at least as large as every other's in every dimension. Lossy plans (compression "
+        "levels, compress='auto') keep bits per saved tensor that every rank shares, so every rank runs the plan "
+        "of the largest inputs: give every rank batches of one number of rows (drop_last=True, or "
+        "even_batches) padded alike or to each batch's longest row, or to a fixed length (a tokenizer's "
+        "padding='max_length'), or train with a lossless budget, whose plans are made per rank for its own inputs."
     )
 
 
@@ -1364,7 +1405,7 @@ def wrap(
     def planned(*args: Any, **kwargs: Any) -> Any:
         batch = Batch(tuple(args), dict(kwargs))
         plan = handle.plan_for(batch)
-        handle.active = handle.active_for(plan, smaller=handle.last_sig in handle.reused)
+        handle.active = handle.active_for(plan, smaller=handle.runs_smaller)
         handle.steps += 1
         try:
             with handle.active.hooks(model, batch):
