@@ -23,9 +23,10 @@ What it checks, and why:
   whole training step inside the first forward: :func:`check_distributed_type` refuses them with
   :class:`UnsupportedDistributedError`, naming what to use instead.
 - Lossless plans are per rank: each rank plans for its own inputs when it meets them (dynamic padding trains).
-  Lossy plans share their bits: every rank plans on its own batch, then takes rank 0's plan, from sensitivities
-  averaged over the ranks (``zoomem.runtime.distributed``), so every rank must meet inputs of one shape at each
-  step; where they differ, every rank raises at that step.
+  Lossy plans share their bits: at a step of one shape every rank plans on its own batch, then takes rank 0's
+  plan, from sensitivities averaged over the ranks (``zoomem.runtime.distributed``); at a step whose shapes
+  differ, every rank runs the plan for the rank whose inputs hold the others' (made by that rank alone where
+  none is cached), and where no rank's do, every rank raises at that step.
 """
 
 from __future__ import annotations
