@@ -1375,3 +1375,75 @@ def test_a_shorter_batch_that_leaves_the_longer_ones_saves_plans_on_its_own(capl
     assert "planned LlamaForCausalLM for a new input signature" in caplog.text
     assert not own.smaller and own.diverged is None and handle.plans[short_sig] is not handle.plans[long_sig]
     assert step(full).diverged is None and len(handle.plans) == 2
+
+
+def test_a_plan_that_recomputes_a_unit_compares_the_saves_of_the_other_regions_only(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compress="auto"`` plans recompute some units and store other tensors lossily. A recomputed unit's forward
+    saves what recomputation needs (its input), where the plan's probe, every unit kept, saw the unit's own
+    tensors: compared, that unit's first save differed and every tensor after it, the kept units' lossy ones
+    included, was stored exactly (seen in the 2-process launch's ``compress="auto"`` section: 8x64x64 saved as
+    ``bert.encoder.layer.0#0`` where the probe saw 64x64). Keys count per region, so those saves name nothing
+    elsewhere and are not compared. Here: an ``L2`` plan with its first layer switched to recomputation."""
+    import dataclasses
+
+    from zoomem.planner import Decision
+    from zoomem.planner.compression import region_of
+
+    torch.manual_seed(0)  # the 2-process launch's BERT (tests/launch/ddp_checks.py) and a padded batch
+    model, adapter = zoo.build("hf/bert-base-uncased", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                               intermediate_size=128, vocab_size=1000, max_position_embeddings=64)
+    mask = torch.ones(8, 64, dtype=torch.long)
+    mask[:, -3:] = 0
+    padded = {"input_ids": torch.randint(0, 1000, (8, 64)), "attention_mask": mask, "labels": torch.randint(0, 2, (8,))}
+    model.train()
+    zoomem.wrap(model, level="L2", adapter=adapter, sensitivity_interval=0)
+    model(**padded).loss.backward()
+    model.zero_grad(set_to_none=True)
+    handle = model._zoomem
+    ((sig, plan),) = handle.plans.items()
+    first, *rest = plan.units
+    handle.plans[sig] = dataclasses.replace(plan, units=[dataclasses.replace(first, decision=Decision.RECOMPUTE),
+                                                         *rest])
+    stores: list[SavedTensorStore] = []
+    quantized: list[str] = []
+    pack = SavedTensorStore._pack
+
+    def recording(self: SavedTensorStore, t: torch.Tensor) -> Any:
+        stores.append(self)
+        packed = pack(self, t)
+        if getattr(packed, "quantized", None) is not None:
+            quantized.append(f"{self._region}#{self._counts[self._region] - 1}")
+        return packed
+
+    monkeypatch.setattr(SavedTensorStore, "_pack", recording)
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        model(**padded).loss.backward()
+    assert stores[-1].diverged is None and "its plan's forward saved" not in caplog.text, stores[-1].diverged
+    kept = {k for k in plan.bits if region_of(k) in {u.name for u in rest}}
+    assert kept and kept <= set(quantized)  # the kept layer's lossy tensors, after the recomputed one
+    assert not any(region_of(k) == first.name for k in quantized)
+
+
+def test_saves_are_compared_only_in_regions_the_plan_stores_lossily() -> None:
+    """A unit storing nothing lossily runs its compact forms as without the store, so it may save other tensors
+    than the plan's probe (every unit recording) saw: a ``compress="auto"`` plan of the 2-process launch's BERT,
+    its first layer recomputed and only a stem tensor lossy, saw its second layer's attention save the mask (8x1x64x64
+    bool) where the probe had the probabilities (8x4x64x64 float), and stored everything after exactly. Nothing is
+    looked up by key there, so only regions holding lossy keys are compared."""
+    x = torch.randn(64, 128, requires_grad=True)
+    planned = {"a#0": "64x128 torch.float32", "b#0": "8 torch.float32"}  # b saves other tensors than planned
+
+    def step(bits: dict[str, int]) -> SavedTensorStore:
+        store = SavedTensorStore(bits=bits, saves=planned, generator=torch.Generator().manual_seed(0))
+        with store.hooks():
+            with store.unit("a"):
+                y = (x * 2).sin()  # saves x * 2 as a#0
+            with store.unit("b"):
+                z = (y * 3).cos()  # saves y * 3 as b#0
+        z.sum().backward()
+        return store
+
+    assert step({"a#0": 4}).diverged is None
+    assert step({"a#0": 4, "b#0": 4}).diverged == ("b#0", "64x128 torch.float32", "8 torch.float32")

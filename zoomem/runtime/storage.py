@@ -221,11 +221,18 @@ class SavedTensorStore:
     packed_nbytes: int = 0
     """Bytes the quantized forms of the last forward held."""
     saves: Mapping[str, str] = field(default_factory=dict)
+    """Compared in the regions holding keys of :attr:`bits` only: elsewhere nothing is looked up by key, and a
+    unit storing nothing lossily runs its compact forms as without the store, saving other tensors than the
+    plan's probe (which records every unit as storing lossily) saw."""
     smaller: bool = False
     """The plan was made for larger inputs (the same inputs and dtypes, no dimension smaller: dynamic padding's
     longer batch): a save matches :attr:`saves` where its dtype and rank are the planned ones and no dimension is
     larger (:func:`save_within`), and a tensor grouped by rows is stored exactly where the groups no longer divide
     them (:attr:`row_dims`)."""
+    unchecked: frozenset[str] = frozenset()
+    """Regions whose saves are not compared with :attr:`saves`: units the plan recomputes, whose forward saves what
+    recomputation needs where the plan's probe (every unit kept) saw the unit's own tensors. Keys count per region,
+    so those saves name nothing in the other regions."""
     row_dims: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """With :attr:`smaller`: for the keys of :attr:`groups`, the trailing dimensions each row read spans
     (:attr:`~zoomem.planner.Plan.row_dims`)."""
@@ -325,7 +332,8 @@ class SavedTensorStore:
         k = self._counts.get(region, 0)
         self._counts[region] = k + 1
         key = f"{region}#{k}"
-        if self.saves and self.diverged is None and not self.record:
+        if (self.saves and self.diverged is None and not self.record and region in self._lossy_regions
+                and region not in self.unchecked):  # (only where the plan stores tensors lossily: see saves)
             got, want = save_sig(t.shape, t.dtype), self.saves.get(key, "nothing")
             if self.smaller:
                 if not save_within(t.shape, t.dtype, want):

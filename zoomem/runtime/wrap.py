@@ -78,6 +78,7 @@ class _Active:
         store = SavedTensorStore(
             bits=plan.bits, groups=plan.groups, lse_of=plan.lse_of, offload=plan.offload, generator=generator,
             saves=plan.saves, smaller=smaller, row_dims=plan.row_dims if smaller else {},
+            unchecked=frozenset(u.name for u in plan.units if u.decision != Decision.KEEP),
             variants=[] if smaller else [{"saves": v.saves, "bits": v.bits, "groups": v.groups, "lse_of": v.lse_of}
                                          for v in variants]) if plan.bits else None
         compact = _compact_of(plan)
@@ -319,6 +320,7 @@ class _Handle:
                     return new
 
                 plan, source = from_rank(owner, make, _encode_plan, _decode_plan), top
+                self._install_forms(batch)  # (the other ranks did not trace)
                 plan.signature = repr(top[0]) + (" with the gradients held (a later micro-batch)" if top[2] else "")
                 _log_rank0("zoomem: the ranks' inputs differ in shape at this step: rank %d, whose inputs hold the "
                            "others', planned %s for them (predicted peak %.1f MiB there); every rank runs it",
@@ -328,6 +330,13 @@ class _Handle:
                 self.reused[top] = source
         self.runs_smaller = sig != top or source != top  # (this rank's key stays uncached: ranks' caches stay alike)
         return plan
+
+    def _install_forms(self, batch: Batch) -> None:
+        """Put the compact forms behind their switches as planning does (:func:`install_impls`), on a rank that
+        runs a plan another rank made: without them its forward would save other tensors than the plan names."""
+        if not self.impl_undos:
+            with self.planning_scope():
+                install_impls(self, choose_impls(self.model, self.units, batch, outside=True))
 
     def _make_plan(self, batch: Batch, grads_held: bool) -> Plan:
         """A plan for a step on ``batch`` under this wrap's settings (call inside :meth:`planning_scope`)."""
