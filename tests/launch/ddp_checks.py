@@ -10,7 +10,7 @@ Modes:
   ``save_state`` after ``K`` steps followed by two more steps.
 - ``resume``: a fresh launch that ``load_state``s that checkpoint and runs the same two steps.
 - ``infeasible``: rank 1 meets a batch that no plan fits under a byte budget that rank 0's batch fits
-  (:func:`infeasible`): rank 1 raises, and the launcher stops rank 0, which waits in DDP's all-reduce.
+  (:func:`infeasible`): rank 1 raises, and rank 0, waiting in DDP's all-reduce, fails as its peer goes.
 
 Each rank trains on its own batches (seeded by step and rank), so parameters stay equal across ranks only if DDP
 synchronises the gradients.
@@ -356,8 +356,8 @@ def infeasible(out: dict[str, Any]) -> None:
     """A byte budget 1.4 times plain PyTorch's peak for rank 0's short batch (3.0 MiB; under DDP, with its gradient
     buckets, rank 0 needs 3.3): rank 0 plans within it, rank 1's full-length batch has no plan that fits (5.4 MiB
     at least) and its forward raises, naming the smallest budget that works. Nothing lets rank 0 know (lossless
-    plans are per rank, with no collective): it waits in DDP's all-reduce until the launcher stops it. Neither
-    rank writes its JSON."""
+    plans are per rank, with no collective): it waits in DDP's all-reduce until rank 1's exit closes their
+    connection (gloo raises) or the launcher stops it. Neither rank writes its JSON."""
     model, opt = model_and_opt()
     short = zoomem.Batch(kwargs=cut(0, 0, SHORT))
     budget = int(1.4 * zoomem.plan(model, short, optimizer=opt).baseline_peak_bytes)
