@@ -334,14 +334,16 @@ class SavedTensorStore:
         key = f"{region}#{k}"
         if (self.saves and self.diverged is None and not self.record and region in self._lossy_regions
                 and region not in self.unchecked):  # (only where the plan stores tensors lossily: see saves)
-            got, want = save_sig(t.shape, t.dtype), self.saves.get(key, "nothing")
-            if self.smaller:
+            want = self.saves.get(key, "nothing")
+            if self.smaller:  # (no variants then: the text of the save only for the warning)
                 if not save_within(t.shape, t.dtype, want):
+                    self.diverged = (key, save_sig(t.shape, t.dtype), want)
+            else:
+                got = save_sig(t.shape, t.dtype)
+                if got != want and not self._take_variant(key, got):
                     self.diverged = (key, got, want)
-            elif got != want and not self._take_variant(key, got):
-                self.diverged = (key, got, want)
-            if self.variants:
-                self._history.append((key, got))
+                if self.variants:
+                    self._history.append((key, got))
         hit = self._seen.get(ident)
         anchor = _anchor(t)
         earlier = hit[1]() if hit is not None and hit[0]() is anchor else None

@@ -271,7 +271,7 @@ class _Handle:
 
         with self.planning_scope():  # lossless: each rank its own plan, for its own inputs, with no collective
             new = from_rank0(make, _encode_plan, _decode_plan) if self.lossy else make()
-        new.signature = repr(sig[0]) + (" with the gradients held (a later micro-batch)" if grads_held else "")
+        new.signature = _signature_text(sig)
         self.plans[sig] = new
         if "_planning" in new.extras:
             self.planning[sig] = new.extras.pop("_planning")
@@ -321,7 +321,7 @@ class _Handle:
 
                 plan, source = from_rank(owner, make, _encode_plan, _decode_plan), top
                 self._install_forms(batch)  # (the other ranks did not trace)
-                plan.signature = repr(top[0]) + (" with the gradients held (a later micro-batch)" if top[2] else "")
+                plan.signature = _signature_text(top)
                 _log_rank0("zoomem: the ranks' inputs differ in shape at this step: rank %d, whose inputs hold the "
                            "others', planned %s for them (predicted peak %.1f MiB there); every rank runs it",
                            owner, type(self.model).__name__, plan.predicted_peak_bytes / _MIB)
@@ -452,6 +452,11 @@ class _Handle:
         _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
                     self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
         return new
+
+
+def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
+    """:attr:`Plan.signature` of a plan made for the plan key ``key`` (:func:`plan_key`)."""
+    return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "")
 
 
 def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
