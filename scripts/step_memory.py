@@ -3,6 +3,9 @@
     python scripts/step_memory.py hf/gpt2 --batch 8 --set n_layer=2 --seq-len 256 --level L2 \\
         --optimizers adamw adamw-foreach adamw-fused sgd   # 5 min, 2 cores
 
+``--lora c_attn c_proj c_fc`` makes the model a PEFT LoRA one (r=16, dropout 0.1, on the modules named; needs
+``pip install peft``): only the adapters train, so the gradients and the optimizer's state are theirs alone.
+
 ``--ddp`` runs each step under ``DistributedDataParallel`` in a one-process gloo group: its gradient buckets (a
 flat copy of the gradients, built with it) count in the plan's fixed bytes and in the meter's baseline.
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--budget", default=None, help="a budget instead (lossless), e.g. 60%% or 2GiB")
     parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=list(OPTIMIZERS))
     parser.add_argument("--ddp", action="store_true", help="step under DDP (one gloo process)")
+    parser.add_argument("--lora", nargs="+", metavar="MODULE",
+                        help="a PEFT LoRA model (r=16, dropout 0.1) on these target modules, e.g. c_attn c_proj c_fc")
     args = parser.parse_args(argv)
     with _gloo() if args.ddp else contextlib.nullcontext():
         _table(args)
@@ -76,9 +81,14 @@ def _table(args: argparse.Namespace) -> None:
     for name in args.optimizers:
         torch.manual_seed(0)
         model, adapter, batch = model_from_arguments(args)
+        if args.lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=16, target_modules=args.lora, lora_dropout=0.1))
+            adapter = zoomem.adapters.get_adapter(model)
         model.train()
         loss_fn = _loss(adapter, model, None)
-        optimizer = OPTIMIZERS[name](model.parameters())
+        optimizer = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
         runner = DistributedDataParallel(model) if args.ddp else model
         zoomem.wrap(model, optimizer=optimizer, adapter=adapter, **how)
         try:

@@ -1147,6 +1147,58 @@ def test_gpt2_called_as_users_call_it_recomputes_without_its_cache(strategy: str
     zoomem.unwrap(model)
 
 
+class _UsersClassifier(nn.Module):
+    """A user's own module around an HF decoder backbone: the generic adapter plans it."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.config.n_embd, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(input_ids=input_ids).last_hidden_state[:, -1])
+
+
+@pytest.mark.parametrize("held", ["peft-lora", "users-module"])
+def test_gpt2_under_lora_or_a_users_module_recomputes_without_its_cache(held: str) -> None:
+    """The same cache, in the two ways fine-tuners hold GPT-2 besides the bare model: a PEFT LoRA model (an
+    ``nn.Module`` of PEFT's, not a ``PreTrainedModel``) and a module of the user's own with GPT-2 as its backbone.
+    Both fell to the generic adapter, whose recomputation wrote the cache a second time: torch's checkpoint raised
+    in planning. Now PEFT models get the transformers adapter (units, cache, fused loss, ``skip_logits``) and the
+    generic adapter passes HF layers no cache; gradients are plain PyTorch's, frozen weights get none."""
+    import peft
+
+    model, _, batch = zoo.small("hf/gpt2")
+    ids = batch.kwargs["input_ids"]
+    if held == "peft-lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                           init_lora_weights=False))
+        user = zoomem.Batch(kwargs={"input_ids": ids, "labels": ids})
+    else:
+        model = _UsersClassifier(model.transformer)
+        user = zoomem.Batch(args=(ids,), target=torch.randint(0, 3, (ids.shape[0],)))
+    adapter = zoomem.adapters.get_adapter(model)
+    assert adapter.name == ("transformers" if held == "peft-lora" else "generic")
+    names = list(model.state_dict())
+    ref_loss, ref_grads, _ = _step(copy.deepcopy(model), adapter, user)
+    zoomem.wrap(model, strategy="all", adapter=adapter, batch=user)
+    ((_, plan),) = model._zoomem.plans.items()
+    assert len(plan.units) == 2 and set(plan.decisions.values()) == {Decision.RECOMPUTE}
+    loss, grads, _ = _step(model, adapter, user)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref_grads.keys()  # LoRA's frozen base weights: no gradient
+    _assert_grads_close(grads, ref_grads, held)
+    zoomem.unwrap(model)
+    assert list(model.state_dict()) == names
+    if held == "peft-lora":  # the fused LM-head loss runs in the PreTrainedModel PEFT holds: skip_logits reaches it
+        zoomem.wrap(model, 0.7, adapter=adapter, skip_logits=True)
+        output = model(**user.kwargs)
+        ((_, plan),) = model._zoomem.plans.items()
+        assert plan.outside_compact and output.logits is None
+        zoomem.unwrap(model)
+        assert model(**user.kwargs).logits is not None
+
+
 def test_a_loss_computed_outside_the_model_is_planned_when_given_and_warned_about_when_not() -> None:
     """An HF LM called without ``labels`` returns no loss; the training step's loss (here cross-entropy on the
     shifted logits) is the user's. Without ``loss_fn`` zoomem can only plan with the mean of the outputs, which

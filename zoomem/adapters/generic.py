@@ -15,6 +15,8 @@ zoo adapter found, dropping the zoo's units that overlap them.
 from __future__ import annotations
 
 import logging
+import sys
+from typing import Any
 
 from torch import nn
 
@@ -145,3 +147,15 @@ class GenericAdapter(Adapter):
         if blocks:
             return blocks
         return sequential_units(model)
+
+    def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """An HF layer inside a model of the user's own (a GPT-2 or Llama backbone under a head of theirs) gets the
+        transformers adapter's arguments: without them its recomputation writes the KV cache a second time, which
+        HF decoders fill in training unless told ``use_cache=False``, and checkpointing raises."""
+        if "transformers" in sys.modules:
+            from .transformers import TransformersAdapter, is_hf_layer
+
+            if is_hf_layer(unit):
+                return TransformersAdapter().recompute_inputs(unit, args, kwargs)
+        return args, kwargs

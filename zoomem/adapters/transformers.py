@@ -1,4 +1,4 @@
-"""The HuggingFace transformers adapter: any ``transformers.PreTrainedModel``.
+"""The HuggingFace transformers adapter: any ``transformers.PreTrainedModel``, bare or inside a PEFT wrapper.
 
 Units are the outermost ``transformers.modeling_layers.GradientCheckpointingLayer`` instances, HF's own notion of
 a checkpointable layer (``bert.encoder.layer.3``, ``transformer.h.0``, ``model.layers.7``, ``encoder.block.1``);
@@ -24,7 +24,8 @@ from .base import Adapter, Unit, default_loss
 from .generic import drop_foreign_sizes, outermost, sequential_units, with_registered_blocks
 from .registry import LAYERS, register_adapter, register_layer
 
-__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "register_attention_layers"]
+__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "hf_core", "is_hf_layer",
+           "register_attention_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,34 @@ def _checkpointing_layer() -> type | None:
     return GradientCheckpointingLayer
 
 
+def is_hf_layer(module: nn.Module) -> bool:
+    """Whether ``module``'s class is transformers' own (a ``GPT2Block``, ``LlamaDecoderLayer``, ...): the layers
+    whose recomputation needs :meth:`TransformersAdapter.recompute_inputs`, whatever model holds them."""
+    return type(module).__module__.startswith("transformers.")
+
+
+def hf_core(model: nn.Module) -> nn.Module | None:
+    """The ``PreTrainedModel`` that ``model`` is, or that a PEFT wrapper (``PeftModel``: LoRA, prefix tuning, ...)
+    holds through ``get_base_model()``; ``None`` for anything else. A PEFT model is an ``nn.Module`` of its own, not
+    a ``PreTrainedModel``, but it trains the same layers with the same keyword batches, so it needs this adapter's
+    units and KV-cache handling: under the generic one, a recomputed GPT-2 block wrote its keys and values to the
+    cache a second time and checkpointing raised."""
+    if not _hf_loaded():  # no HF model exists before transformers' modeling code is imported: never import it here
+        return None
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model
+    base = getattr(type(model), "get_base_model", None)
+    if base is None:
+        return None
+    try:
+        core = model.get_base_model()  # type: ignore[operator]
+    except Exception:  # noqa: BLE001 - a wrapper whose accessor fails is not one we know
+        return None
+    return core if isinstance(core, PreTrainedModel) and core is not model else None
+
+
 def _forward_params(model: nn.Module) -> set[str]:
     try:
         return set(inspect.signature(model.forward).parameters)
@@ -151,11 +180,7 @@ class TransformersAdapter(Adapter):
         if not _hf_loaded():
             return False
         _register_layers()
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:
-            return False
-        return isinstance(model, PreTrainedModel)
+        return hf_core(model) is not None
 
     def units(self, model: nn.Module) -> list[Unit]:
         _register_layers()
@@ -178,7 +203,7 @@ class TransformersAdapter(Adapter):
         """A random batch for ``model.main_input_name``, with labels for the model's head.
 
         Args:
-            model: a ``PreTrainedModel``.
+            model: a ``PreTrainedModel`` or a PEFT model holding one (its config, inputs and head decide).
             batch_size: rows of the batch.
             seq_len: tokens per row for text models; default ``min(128, max_position_embeddings)``.
             image_size: height = width for vision models; default ``config.image_size``.
@@ -194,6 +219,7 @@ class TransformersAdapter(Adapter):
             NotImplementedError: the main input is neither ``input_ids`` nor ``pixel_values``.
         """
         drop_foreign_sizes(self.name, sizes, ("seq_len", "image_size"))
+        model = hf_core(model) or model  # a PEFT wrapper passes the same keyword arguments through
         config = model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         main = getattr(model, "main_input_name", "input_ids")

@@ -646,11 +646,15 @@ def set_skip_logits(model: nn.Module, skip: bool) -> None:
     """Whether ``model``'s forward, where ``cross_entropy_logits`` fuses its loss with the LM head, returns its
     output without the logits (``logits=None``, as Liger-Kernel's fused loss does in training): the loss saves no
     logits then, its backward makes each slice of them again from the head's input and weight (one more head-sized
-    product per step), and nothing holds the ``batch x sequence x vocabulary`` tensor past the forward."""
-    if skip:
-        _SKIP_LOGITS.add(model)
-    else:
-        _SKIP_LOGITS.discard(model)
+    product per step), and nothing holds the ``batch x sequence x vocabulary`` tensor past the forward. A PEFT
+    wrapper's setting is its ``PreTrainedModel``'s too: that is the module whose forward runs the fused loss."""
+    from ..adapters.transformers import hf_core
+
+    for m in {model, hf_core(model) or model}:
+        if skip:
+            _SKIP_LOGITS.add(m)
+        else:
+            _SKIP_LOGITS.discard(m)
 
 
 def skips_logits(model: nn.Module) -> bool:
