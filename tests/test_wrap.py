@@ -1199,6 +1199,28 @@ def test_gpt2_under_lora_or_a_users_module_recomputes_without_its_cache(held: st
         assert model(**user.kwargs).logits is not None
 
 
+def test_prefix_tuning_is_refused_with_what_to_do_and_the_model_kept() -> None:
+    """PEFT prefix tuning passes every layer a cache holding its learned prefix. A recomputed layer cannot see it
+    again as its forward did (dropped, it attends to less; kept, to its own keys twice), and planning measures
+    recomputation in every mode: zoomem refuses, naming LoRA, where torch raised a shape mismatch from HF's mask
+    code. The model's weights and forward are as they were once unwrapped."""
+    import peft
+
+    model, _, batch = zoo.small("hf/gpt2")
+    ids = batch.kwargs["input_ids"]
+    model = peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    state = copy.deepcopy(model.state_dict())
+    torch.manual_seed(0)
+    expected = model(input_ids=ids, labels=ids).loss
+    zoomem.wrap(model, level="L2")
+    with pytest.raises(ValueError, match=r"already holds 4 positions.*LoRA"):
+        model(input_ids=ids, labels=ids)
+    zoomem.unwrap(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    torch.manual_seed(0)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+
+
 def test_a_loss_computed_outside_the_model_is_planned_when_given_and_warned_about_when_not() -> None:
     """An HF LM called without ``labels`` returns no loss; the training step's loss (here cross-entropy on the
     shifted logits) is the user's. Without ``loss_fn`` zoomem can only plan with the mean of the outputs, which

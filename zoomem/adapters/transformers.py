@@ -163,6 +163,27 @@ def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, (param.dtype if param.is_floating_point() else torch.float32)
 
 
+def _refuse_filled_cache(unit: nn.Module, cache: Any) -> None:
+    """Raise where the cache a layer gets already holds positions before the step (PEFT prefix tuning passes its
+    learned prefix so; a prompt cache too): dropping it, as a recomputed layer's forward must, would change what
+    the layer attends to, and keeping it would make the recomputation read the layer's own keys twice. (Torch
+    raised a shape mismatch from inside HF's attention mask code before.) Planning such units as never recomputed
+    is not built."""
+    idx = next((m.layer_idx for m in unit.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+    if idx is None:  # the positions the earlier layers of this step added are not this layer's
+        return
+    try:
+        held = int(cache.get_seq_length(idx))
+    except Exception:  # noqa: BLE001 - not a cache we can read: an empty one is all training passes
+        return
+    if held > 0:
+        raise ValueError(
+            f"zoomem cannot plan this model: the model passes {type(unit).__name__} a key/value cache that already "
+            f"holds {held} positions (PEFT prefix tuning's prefix, or a prompt cache), and every plan measures "
+            "recomputing its layers, which would not see that cache as their forward did. Fine-tune with LoRA "
+            "(peft.LoraConfig), whose layers read no cache, or train this model without zoomem (zoomem.unwrap).")
+
+
 @register_adapter
 class TransformersAdapter(Adapter):
     """HF transformers models: ``GradientCheckpointingLayer`` units, batches from the config, the model's own loss.
@@ -302,10 +323,13 @@ class TransformersAdapter(Adapter):
             return args, changed
         for name in ("cache", "layer_past"):
             if changed.get(name) is not None:
+                _refuse_filled_cache(unit, changed[name])
                 changed[name] = None
         from transformers.cache_utils import Cache
 
         if any(isinstance(a, Cache) for a in args):
+            for a in args:
+                _refuse_filled_cache(unit, a)
             args = tuple(None if isinstance(a, Cache) else a for a in args)
         return args, changed
 
