@@ -1221,6 +1221,47 @@ def test_prefix_tuning_is_refused_with_what_to_do_and_the_model_kept() -> None:
     assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
 
 
+@pytest.mark.parametrize("zoo_name", ["hf", "timm"])
+def test_the_zoos_own_checkpointing_is_turned_off_while_wrapped_and_back_on_after(zoo_name: str) -> None:
+    """Users come from ``gradient_checkpointing_enable()`` / ``set_grad_checkpointing()`` and may leave the call in.
+    Beneath a plan it recomputed every layer again, and the trace took that checkpointed step for plain PyTorch's
+    (a 4-layer BERT's "plain" peak read 37.2 MiB instead of 106.3 at b16, so "60%" meant 60% of the former). wrap
+    and plan turn it off with a warning, plan as without it, and turn it back on (unwrap; plan's return)."""
+    import warnings
+
+    import timm
+
+    if zoo_name == "hf":
+        model, adapter = zoo.build("hf/bert-base-uncased", num_hidden_layers=4, hidden_size=64, num_attention_heads=2,
+                                   intermediate_size=256, vocab_size=500)
+        batch = adapter.example_batch(model, 8, seq_len=128)
+    else:
+        model = timm.create_model("resnet18", num_classes=10)
+        adapter = zoomem.adapters.get_adapter(model)
+        batch = adapter.example_batch(model, 16, image_size=128)
+    plain = zoomem.plan(model, batch, None, adapter=adapter).baseline_peak_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (transformers' deprecated name)
+        adapter.set_native_checkpointing(model, True)
+    assert adapter.native_checkpointing(model)
+    with pytest.warns(UserWarning, match="zoomem.plan turned off .* own gradient checkpointing"):
+        planned = zoomem.plan(model, batch, None, adapter=adapter)
+    assert planned.baseline_peak_bytes == pytest.approx(plain, rel=0.01) and adapter.native_checkpointing(model)
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="zoomem.wrap turned off .* own gradient checkpointing"):
+        zoomem.wrap(model, 0.6 if zoo_name == "hf" else 0.88, adapter=adapter, batch=batch)  # (ResNet-18: 81% least)
+    assert not adapter.native_checkpointing(model)
+    ((_, plan),) = model._zoomem.plans.items()
+    assert plan.baseline_peak_bytes == pytest.approx(plain, rel=0.01)
+    loss, grads, peak = _step(model, adapter, batch)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)  # HF's or timm's checkpointing, as the user had it
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    _assert_grads_close(grads, ref_grads, zoo_name)
+    assert peak <= plan.budget_bytes
+    zoomem.unwrap(model)
+    assert adapter.native_checkpointing(model)
+
+
 def test_a_loss_computed_outside_the_model_is_planned_when_given_and_warned_about_when_not() -> None:
     """An HF LM called without ``labels`` returns no loss; the training step's loss (here cross-entropy on the
     shifted logits) is the user's. Without ``loss_fn`` zoomem can only plan with the mean of the outputs, which

@@ -124,6 +124,11 @@ class Adapter:
         """Turn the zoo's own full checkpointing on or off; return False where the model has none."""
         return False
 
+    def native_checkpointing(self, model: nn.Module) -> bool:
+        """Whether the zoo's own full checkpointing is on (``gradient_checkpointing_enable()``,
+        ``set_grad_checkpointing()``): :func:`zoomem.wrap` turns it off while wrapped, its plan deciding instead."""
+        return False
+
     def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments a unit gets in a step that recomputes units: what makes its forward safe to run twice

@@ -333,6 +333,11 @@ class TransformersAdapter(Adapter):
             args = tuple(None if isinstance(a, Cache) else a for a in args)
         return args, changed
 
+    def native_checkpointing(self, model: nn.Module) -> bool:
+        core = hf_core(model) or model
+        on = getattr(core, "is_activation_checkpointing", None)  # transformers 5's name (the old one warns)
+        return bool(getattr(core, "is_gradient_checkpointing", False) if on is None else on)
+
     def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
         supported = bool(getattr(model, "supports_gradient_checkpointing", False))
         if not supported:

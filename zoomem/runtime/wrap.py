@@ -1279,10 +1279,16 @@ def plan(
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
     handle: _Handle | None = model.__dict__.get(_ATTR)
-    with handle.planning_scope() if handle is not None else contextlib.nullcontext(), \
-            _skipping_logits(model, skip_logits):
-        new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn, time_limit,
-                                             compress=options, level=lvl, trace_batch_size=trace_batch_size))
+    native = _native_checkpointing_off(model, adapter, "zoomem.plan", "it is on again when the plan returns")
+    try:
+        with handle.planning_scope() if handle is not None else contextlib.nullcontext(), \
+                _skipping_logits(model, skip_logits):
+            new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn,
+                                                 time_limit, compress=options, level=lvl,
+                                                 trace_batch_size=trace_batch_size))
+    finally:
+        if native is not None:
+            native()
     new.extras.pop("_planning", None)
     return new
 
@@ -1299,6 +1305,23 @@ def _seeing_the_loss(make: Callable[[], Plan]) -> Plan:
     if message is not None:
         warnings.warn(message, stacklevel=3)
     return new
+
+
+def _native_checkpointing_off(model: nn.Module, adapter: Adapter, who: str, after: str) -> Callable[[], None] | None:
+    """Turn off the zoo's own full checkpointing where the user turned it on (``gradient_checkpointing_enable()``,
+    ``set_grad_checkpointing()``), with a warning; return what turns it back on (``None`` where it was off).
+    Beneath a plan it would recompute every layer again: the trace measured a checkpointed step as plain
+    PyTorch's, so a fraction budget meant a fraction of that, and the smallest budget was that step's peak."""
+    if not adapter.native_checkpointing(model):
+        return None
+    adapter.set_native_checkpointing(model, False)
+    warnings.warn(
+        f"{who} turned off {type(model).__name__}'s own gradient checkpointing, which recomputes every layer: "
+        f"zoomem's plan decides what to recompute under the budget ({after}). Drop the "
+        "gradient_checkpointing_enable() / set_grad_checkpointing() call to silence this warning.",
+        stacklevel=3,
+    )
+    return lambda: adapter.set_native_checkpointing(model, True)
 
 
 @contextlib.contextmanager
@@ -1398,6 +1421,9 @@ def wrap(
         trace_batch_size=trace_batch_size, reuse_plans=reuse_plans, seed=torch.initial_seed() % (1 << 63),
     )
     model.__dict__[_ATTR] = handle
+    native = _native_checkpointing_off(model, adapter, "zoomem.wrap", "zoomem.unwrap turns it back on")
+    if native is not None:
+        handle.undo.append(native)
     if skip_logits:
         set_skip_logits(model, True)
         handle.undo.append(lambda: set_skip_logits(model, False))
