@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -124,10 +124,29 @@ class Adapter:
         """Turn the zoo's own full checkpointing on or off; return False where the model has none."""
         return False
 
+    native_flags: ClassVar[tuple[str, ...]] = ()
+    """Module attributes that hold the zoo's own checkpointing settings (which layers, with what function)."""
+
     def native_checkpointing(self, model: nn.Module) -> bool:
         """Whether the zoo's own full checkpointing is on (``gradient_checkpointing_enable()``,
         ``set_grad_checkpointing()``): :func:`zoomem.wrap` turns it off while wrapped, its plan deciding instead."""
         return False
+
+    def suspend_native_checkpointing(self, model: nn.Module) -> Callable[[], None] | None:
+        """Turn the zoo's own checkpointing off where it is on; return what sets every module's
+        :attr:`native_flags` back as they were (the user's layers, function and options, not the defaults that
+        :meth:`set_native_checkpointing` would choose), or ``None`` where it was off."""
+        if not self.native_checkpointing(model):
+            return None
+        saved = [(m, {k: m.__dict__[k] for k in self.native_flags if k in m.__dict__}) for m in model.modules()]
+        self.set_native_checkpointing(model, False)
+
+        def restore() -> None:
+            for module, flags in saved:
+                for name, value in flags.items():
+                    setattr(module, name, value)
+
+        return restore
 
     def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -247,6 +247,8 @@ class TimmAdapter(Adapter):
             return nn.functional.cross_entropy(output.float(), batch.target)
         return default_loss(output, batch.target)
 
+    native_flags = ("grad_checkpointing",)
+
     def native_checkpointing(self, model: nn.Module) -> bool:
         """timm's ``set_grad_checkpointing(True)`` sets ``grad_checkpointing`` on the model and its stages."""
         return any(getattr(m, "grad_checkpointing", False) is True for m in model.modules())

@@ -333,6 +333,8 @@ class TransformersAdapter(Adapter):
             args = tuple(None if isinstance(a, Cache) else a for a in args)
         return args, changed
 
+    native_flags = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
     def native_checkpointing(self, model: nn.Module) -> bool:
         core = hf_core(model) or model
         on = getattr(core, "is_activation_checkpointing", None)  # transformers 5's name (the old one warns)

@@ -1309,19 +1309,19 @@ def _seeing_the_loss(make: Callable[[], Plan]) -> Plan:
 
 def _native_checkpointing_off(model: nn.Module, adapter: Adapter, who: str, after: str) -> Callable[[], None] | None:
     """Turn off the zoo's own full checkpointing where the user turned it on (``gradient_checkpointing_enable()``,
-    ``set_grad_checkpointing()``), with a warning; return what turns it back on (``None`` where it was off).
+    ``set_grad_checkpointing()``), with a warning; return what turns it back on as it was (``None`` where it was off).
     Beneath a plan it would recompute every layer again: the trace measured a checkpointed step as plain
     PyTorch's, so a fraction budget meant a fraction of that, and the smallest budget was that step's peak."""
-    if not adapter.native_checkpointing(model):
+    restore = adapter.suspend_native_checkpointing(model)
+    if restore is None:
         return None
-    adapter.set_native_checkpointing(model, False)
     warnings.warn(
         f"{who} turned off {type(model).__name__}'s own gradient checkpointing, which recomputes every layer: "
         f"zoomem's plan decides what to recompute under the budget ({after}). Drop the "
         "gradient_checkpointing_enable() / set_grad_checkpointing() call to silence this warning.",
         stacklevel=3,
     )
-    return lambda: adapter.set_native_checkpointing(model, True)
+    return restore
 
 
 @contextlib.contextmanager
