@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import pytest
@@ -661,6 +662,24 @@ def test_new_shapes_plan_again_and_sensitivities_refresh(caplog: pytest.LogCaptu
     assert len(model.__dict__["_zoomem"].plans) == 2
 
 
+def test_an_auto_plan_at_its_fastest_with_nothing_lossy_skips_refreshes(caplog: pytest.LogCaptureFixture) -> None:
+    """``compress="auto"`` under a budget its fastest plan meets: nothing lossy, every unit in its fastest mode. No
+    sensitivity can change that plan (a lossy option only adds seconds and variance), so the refreshes of steps 1,
+    2 and 4, whose measurement holds more than plain PyTorch's step, are skipped; they ran before."""
+    from zoomem.runtime.wrap import _at_fastest
+
+    model, adapter, batch = small("hf/bert-base-uncased", seed=0)
+    model.train()
+    zoomem.wrap(model, budget=1.0, compress="auto", sensitivity_interval=2)
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        for _ in range(5):
+            _grads(model, adapter, batch)
+    handle = model.__dict__["_zoomem"]
+    ((plan,), (ctx,)) = handle.plans.values(), handle.planning.values()
+    assert not plan.bits and _at_fastest(ctx.costs, plan)
+    assert "sensitivities re-measured" not in caplog.text
+
+
 def _refresh_step(model_id: str, caplog: pytest.LogCaptureFixture, **wrap: Any):  # type: ignore[no-untyped-def]
     """Plan ``model_id`` (small layout, batch 8), then meter step 1, which measures sensitivities again; then the
     worst squared gradient error of steps 2 and 3 under the refreshed plan, relative to plain PyTorch's, beside that
@@ -684,10 +703,14 @@ def _refresh_step(model_id: str, caplog: pytest.LogCaptureFixture, **wrap: Any):
 
 
 @pytest.mark.parametrize("wrap", [{"level": "L2"}, {"budget": "80%", "compress": "auto"}], ids=["L2", "budget"])
-def test_refreshes_measure_within_the_budget(wrap: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+def test_refreshes_measure_within_the_budget(wrap: dict[str, str], caplog: pytest.LogCaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The sensitivity measurement holds every activation and a second-order backward's own: at the batch it
     peaks above plain PyTorch's step, so refreshes measure on smaller batches, chosen from the measurement's peaks
-    at two sizes, and the refresh step stays within the budget (plain PyTorch's step where there is none)."""
+    at two sizes, and the refresh step stays within the budget (plain PyTorch's step where there is none). (Small
+    GPT-2's 80% plan stores nothing lossily at its fastest, which skips refreshes since stop 48: refreshed here as a
+    plan that is not would be; at 40%, where it recomputes a layer, no sub-batch fits.)"""
+    monkeypatch.setattr(sys.modules["zoomem.runtime.wrap"], "_at_fastest", lambda costs, plan: False)
     plan, scale, log, peak, (worst, variance) = _refresh_step("hf/gpt2", caplog, **wrap)
     limit = plan.budget_bytes or plan.baseline_peak_bytes
     assert scale is not None and scale.target == 8 and scale.large < 8, scale
