@@ -459,8 +459,9 @@ def _at_fastest(costs: CostModel, plan: Plan) -> bool:
     """Whether ``plan`` stores nothing lossily and runs every unit, and the forms outside them, in its fastest mode.
     No sensitivity can then change what the program picks (a lossy option costs its (de)quantization seconds plus
     a multiple of its variance, neither below zero), so a refresh would only spend its measurement, which holds
-    more than plain PyTorch's step (5.1 GB on GPT-2 b16 against a 1.3 GB budget). A plan keeping a slower compact
-    form to fit still refreshes: a lossy tensor could free the memory for the faster mode once sensitivities fall."""
+    more than plain PyTorch's step (5.1 GB on GPT-2 b16, whose 50% plan is such a plan, against its 2.4 GB budget).
+    A plan keeping a slower compact form to fit still refreshes: a lossy tensor could free the memory for the faster
+    mode once sensitivities fall."""
     if plan.bits:
         return False
     modes = {u.name: u for u in plan.units}
