@@ -24,6 +24,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .accelerate import _bare, check_distributed_type, check_processes, plans
+from .adapters.transformers import TransformersAdapter
 from .planner import Plan
 from .planner.compression import CompressOptions
 from .runtime import is_wrapped, unwrap, wrap
@@ -81,10 +82,7 @@ class ZoomemCallback(TrainerCallback):
             acc = AcceleratorState()
             check_processes(acc, self.expect_processes)
             check_distributed_type(acc)
-        native = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name (the old one warns)
-        if native is None:
-            native = getattr(model, "is_gradient_checkpointing", False)
-        if native or args.gradient_checkpointing:
+        if TransformersAdapter().native_checkpointing(model) or args.gradient_checkpointing:
             raise ValueError(
                 "TrainingArguments(gradient_checkpointing=True) makes HF recompute every layer, and zoomem plans "
                 "recomputation itself (only where the budget needs it): drop gradient_checkpointing=True and let "
