@@ -785,7 +785,16 @@ def _two_ranks(target: Callable[..., None]) -> dict[int, Any]:
         p.start()
     for p in procs:
         p.join(300)
-    return dict(queue.get() for _ in range(2))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():  # (a rank waiting in a collective the other never joins)
+            p.terminate()
+    results = {}
+    while not queue.empty():
+        rank, value = queue.get()
+        results[rank] = value
+    assert not hung and len(results) == 2, f"ranks {hung} still running after 300 s; results from {sorted(results)}"
+    return results
 
 
 def test_data_parallel_ranks_share_sensitivities() -> None:
@@ -820,6 +829,37 @@ def test_data_parallel_ranks_refresh_on_the_same_sub_batches() -> None:
     results = _two_ranks(_rank_refresh)
     assert results[0][0] is not None and results[0][0].large < 8, results
     assert results[0] == results[1]
+
+
+def _rank_disagreeing_fastest(rank: int, port: int, out: "torch.multiprocessing.SimpleQueue") -> None:  # type: ignore[name-defined]
+    import sys
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # each rank judges with its own timings: here rank 0 finds the plan at its fastest, rank 1 does not
+        sys.modules["zoomem.runtime.wrap"]._at_fastest = lambda costs, plan: rank == 0
+        model, adapter, batch = small("hf/bert-base-uncased", seed=0)
+        model.train()
+        zoomem.wrap(model, budget=1.0, compress="auto", sensitivity_interval=2)
+        handle = model.__dict__["_zoomem"]
+        refresh, refreshed = handle._refresh, []
+        handle._refresh = lambda *a: (refreshed.append(handle.steps), refresh(*a))[1]
+        for _ in range(3):
+            _grads(model, adapter, batch)
+        out.put((rank, (refreshed, [p.bits for p in handle.plans.values()])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_skip_refreshes_only_together() -> None:
+    """A plan storing nothing lossily skips refreshes where it runs at its fastest, judged from each rank's own
+    timings; ranks that judge differently both refresh, at the same steps (one skipping alone left the other
+    waiting in the refresh's collectives)."""
+    results = _two_ranks(_rank_disagreeing_fastest)
+    assert results[0] == results[1] and results[0][0] == [1, 2], results
 
 
 def test_adaptive_l2_never_stores_one_bit_but_l22_may() -> None:

@@ -253,7 +253,7 @@ class _Handle:
         cached = self.plans.get(sig)
         if cached is not None:
             if (sig in self.planning and refresh_due(self.steps, self.sensitivity_interval)
-                    and not _at_fastest(self.planning[sig].costs, cached)):
+                    and not self._skips_refresh(sig, cached)):
                 cached = self.plans[sig] = self._refresh(sig, batch, cached)
                 for smaller, source in self.reused.items():  # they run this plan
                     if source == sig:
@@ -292,6 +292,16 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def _skips_refresh(self, sig: tuple, plan: Plan) -> bool:  # type: ignore[type-arg]
+        """Whether a refresh of ``plan`` is skipped (:func:`_at_fastest`). Under DDP the plan is rank 0's but each
+        rank's cost model holds its own timings, so the ranks skip only where every one finds the plan at its
+        fastest (one collective, at refresh steps of plans that store nothing lossily): a rank skipping alone
+        would leave the others waiting in the refresh's collectives."""
+        if plan.bits:
+            return False
+        fastest = _at_fastest(self.planning[sig].costs, plan)
+        return same_everywhere(repr(fastest)) and fastest
 
     def _shared_plan(self, sig: tuple, batch: Batch) -> Plan:  # type: ignore[type-arg]
         """A training step whose inputs differ in shape by rank, under lossy plans (bits every rank shares): where
