@@ -459,6 +459,44 @@ def test_linear_cross_entropy_gradgradcheck() -> None:
     assert torch.autograd.gradgradcheck(g, (hidden, weight), fast_mode=True)
 
 
+def test_losses_in_a_sensitivity_pass_keep_only_the_graph_sensitivities_follow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``sensitivity_pass`` a create_graph backward of the losses gives the ordinary gradients, bitwise; their
+    input gradients carry no graph (the logits, or without them the hidden states and log-sum-exp, stay exact), and
+    the head's weight gradient ``g^T h`` carries only ``h``'s: what reaches ``h`` is ``g @ v``, ``g`` from the
+    saved logits, made a slice at a time. A loss whose incoming gradient carries a graph gets the full derivative."""
+    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 96)  # slices of 8 of the 50 classes
+    hidden, weight, b, target = _head_inputs(True, torch.float64)
+    v = torch.randn(50, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    logits = F.linear(hidden, weight, b).view(-1, 50).detach()
+    valid = target != -100
+    g = (torch.softmax(logits, 1) - F.one_hot(target.clamp(min=0), 50)) * (valid.double() / valid.sum()).unsqueeze(1)
+    for keep in (True, False):
+        with L.sensitivity_pass():
+            loss = LinearCrossEntropy.apply(logits, hidden, weight, b, target, -100, "mean", None, keep)
+        plain = torch.autograd.grad(loss, (hidden, weight, b), retain_graph=True)
+        gh, gw, gb = torch.autograd.grad(loss, (hidden, weight, b), create_graph=True)
+        assert all(torch.equal(x, y) for x, y in zip(plain, (gh, gw, gb)))
+        assert not gh.requires_grad and not gb.requires_grad
+        if not keep:
+            assert not gw.requires_grad  # the hidden states stay exact: nothing here may be rounded
+            continue
+        (through_h,) = torch.autograd.grad(gw, hidden, v)
+        assert rel(through_h.view(12, 16), g @ v) < 1e-12
+    with L.sensitivity_pass():
+        loss = CrossEntropy.apply(logits.requires_grad_(True), target, -100, "mean")
+    (gl,) = torch.autograd.grad(loss, logits, create_graph=True)
+    assert not gl.requires_grad and rel(gl, g) < 1e-12
+    weights = torch.rand(12, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    second = []
+    for block in (L.sensitivity_pass, contextlib.nullcontext):
+        with block():
+            loss = LinearCrossEntropy.apply(logits.detach(), hidden, weight, b, target, -100, "none", None, True)
+        (gw,) = torch.autograd.grad((loss * weights).sum(), weight, create_graph=True)
+        second.append(torch.autograd.grad(gw, (hidden, weights), v))
+    assert all(torch.equal(x, y) for x, y in zip(*second))
+
+
 class _Head(nn.Module):
     """An LM head computing its loss the way HF models do (``loss_function``, behind the route)."""
 

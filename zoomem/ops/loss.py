@@ -48,9 +48,10 @@ embedding's backward never sees it) and off under ``create_graph``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from types import MethodType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ __all__ = [
     "tied_embedding",
     "set_skip_logits",
     "skips_logits",
+    "sensitivity_pass",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -86,6 +88,7 @@ class CrossEntropy(torch.autograd.Function):
         loss = F.nll_loss(torch.log_softmax(logits, 1), target, ignore_index=ignore_index, reduction=reduction)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         ctx.save_for_backward(logits, target)
+        ctx.sensitivity_pass = _SENSITIVITY_PASS
         # the logits reach the gradient through exp(): rounding them is not a small perturbation (zoomem.runtime.probe)
         ctx.exact_reads = (0,)
         return loss
@@ -97,12 +100,14 @@ class CrossEntropy(torch.autograd.Function):
             return None, None, None, None
         safe, scale = _row_scale(target, grad, ctx.ignore_index, ctx.reduction, logits.dtype)
         safe, scale = safe.unsqueeze(1), scale.unsqueeze(1)
-        if torch.is_grad_enabled():  # create_graph: out-of-place, differentiable in logits and grad
+        if torch.is_grad_enabled() and not _constant_in_sensitivity_pass(ctx, grad):
+            # create_graph: out-of-place, differentiable in logits and grad
             onehot = torch.zeros_like(logits).scatter(1, safe, 1.0)
             return (torch.softmax(logits, 1) - onehot) * scale, None, None, None
-        g = torch.softmax(logits, 1)
-        g.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=g.dtype))
-        return g.mul_(scale), None, None, None
+        with torch.no_grad():  # (in a sensitivity pass, values without their graph)
+            g = torch.softmax(logits, 1)
+            g.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=g.dtype))
+            return g.mul_(scale), None, None, None
 
 
 def _row_scale(target: torch.Tensor, grad: torch.Tensor, ignore_index: int, reduction: str,
@@ -158,7 +163,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         else:
             loss = nll.sum() if reduction == "sum" else nll
         ctx.ignore_index, ctx.reduction, ctx.has_bias = ignore_index, reduction, bias is not None
-        ctx.matmul_dtype = matmul_dtype
+        ctx.matmul_dtype, ctx.sensitivity_pass = matmul_dtype, _SENSITIVITY_PASS
         ctx.embedding = _tied_embedding_node(hidden, weight) if weight.requires_grad else None
         # without the logits (skip_logits): backward makes each slice again from hidden and the weight
         ctx.save_for_backward(logits if keep_logits else None, lse, hidden, weight, bias, target)
@@ -179,7 +184,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                                                    ctx.matmul_dtype, bias)
             grad_h = grad_h.to(hidden.dtype) if grad_h is not None else None
             grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        if torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
+        if torch.is_grad_enabled() and _constant_in_sensitivity_pass(ctx, grad):
+            # rounding the stored hidden states (where the logits are kept: else they stay exact) moves only the
+            # weight's gradient g^T h; g comes from the exact logits
+            if grad_w is not None and logits is not None and hidden.requires_grad:
+                grad_w = _WeightGradOfHidden.apply(grad_w, h, logits, lse, safe, scale, ctx.matmul_dtype)
+        elif torch.is_grad_enabled():  # create_graph: these values, carrying the graph of the logits recomputed
             hc, wc = h.to(lse.dtype), weight.to(lse.dtype)
             z = F.linear(hc, wc, bias.to(lse.dtype) if bias is not None else None)
             # the saved logits' values (a constant added after the head, BART's final_logits_bias, included),
@@ -194,6 +204,56 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_w = None
         return (None, grad_h.view(hidden.shape) if grad_h is not None else None, grad_w, grad_b, None, None, None,
                 None, None)
+
+
+_SENSITIVITY_PASS = False
+
+
+@contextlib.contextmanager
+def sensitivity_pass() -> Iterator[None]:
+    """Inside the block, the losses made here (:class:`CrossEntropy`, :class:`LinearCrossEntropy`) keep from a
+    ``create_graph`` backward only the graph a sensitivity pass (:func:`zoomem.compress.estimate_sensitivity`)
+    follows: how their gradients move when a saved tensor that may be stored lossily is rounded. Their logits, and
+    without the logits the hidden states and log-sum-exp, stay exact (``exact_reads``), so their input gradients are
+    constants there, and the head's weight gradient ``g^T h`` depends on the stored ``h`` alone
+    (:class:`_WeightGradOfHidden`).
+
+    Why: the full second derivative recomputes the logits and holds three ``[N, V]`` tensors for the second backward
+    (their softmax, ``softmax - onehot`` and the logits themselves): GPT-2 at 8 x 512 tokens, 3 x 785 MiB. Not for
+    users' own double backward (gradient penalties): that needs the full derivative, which the losses give outside
+    the block."""
+    global _SENSITIVITY_PASS
+    previous, _SENSITIVITY_PASS = _SENSITIVITY_PASS, True
+    try:
+        yield
+    finally:
+        _SENSITIVITY_PASS = previous
+
+
+def _constant_in_sensitivity_pass(ctx: Any, grad: torch.Tensor) -> bool:
+    """Whether a loss made under :func:`sensitivity_pass` gives its backward's values without their graph: the
+    incoming gradient is a constant there (the loss is the output; a gradient that itself carries a graph, a loss
+    inside a larger expression of saved tensors, gets the full derivative)."""
+    return getattr(ctx, "sensitivity_pass", False) and not grad.requires_grad
+
+
+class _WeightGradOfHidden(torch.autograd.Function):
+    """The head's weight gradient ``g^T h`` (given: ``grad_w``) as a function of ``h`` alone, ``g`` the constant
+    ``(softmax(logits) - onehot) * scale``: the gradient reaching ``h`` is ``g @ v``, made a slice of the vocabulary
+    at a time from the saved logits (:func:`_sliced_grads` with ``v`` for the weight), never ``[N, V]`` at once."""
+
+    @staticmethod
+    def forward(ctx, grad_w, h, logits, lse, safe, scale, matmul_dtype):  # type: ignore[override]
+        ctx.save_for_backward(h, logits, lse, safe, scale)
+        ctx.matmul_dtype = matmul_dtype
+        return grad_w
+
+    @staticmethod
+    def backward(ctx, v):  # type: ignore[override]
+        h, logits, lse, safe, scale = ctx.saved_tensors
+        with torch.no_grad():
+            grad_h, _, _ = _sliced_grads(logits, lse, h, v, safe, scale, True, False, False, ctx.matmul_dtype)
+        return None, grad_h.to(h.dtype), None, None, None, None, None
 
 
 def _sliced_grads(logits: torch.Tensor | None, lse: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,

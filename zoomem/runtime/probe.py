@@ -26,6 +26,7 @@ from ..compress.quantize import GROUP_SIZE, row_dims, row_group
 from ..compress.sensitivity import estimate_sensitivity
 from ..ops.attention import differentiable_attention
 from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
+from ..ops.loss import sensitivity_pass
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
@@ -421,6 +422,7 @@ def probe_saved(
             routed.enter_context(differentiable_attention())
             routed.enter_context(norms_at_saved_statistics())
             routed.enter_context(differentiable_hardsigmoid())
+            routed.enter_context(sensitivity_pass())  # the losses' second backward: only what sensitivities follow
         with store.hooks(model, batch.args, batch.kwargs), _regions(store, units), routed:
             out = batch.call(model)
         loss = loss_fn(out, batch)
