@@ -96,7 +96,7 @@ def estimate_sensitivity(
     if not params:  # nothing to train: no gradient for rounding to disturb
         return Sensitivity(out, 0.0)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-    grad_sq = float(sum(float(g.detach().double().square().sum()) for g in grads if g is not None))
+    grad_sq = sum(_square_norm(g) for g in grads if g is not None)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]
     by_node: dict[torch.autograd.graph.Node, list[tuple[int, str, _Layout]]] = {}
     reads: dict[str, int] = {}  # key -> how many autograd edges carry its J^T v
@@ -120,12 +120,9 @@ def estimate_sensitivity(
     groups = {key: (group_sizes or {}).get(key, group_size) for key in saved}
     range_sq = {key: _group_range_sq(saved[key], groups[key]) for _, keys in by_node.items() for _, key, _ in keys}
     for i in range(samples):
-        signs = [
-            torch.randint(0, 2, g.shape, device=g.device, generator=generator).to(g.dtype).mul_(2).sub_(1)
-            for _, g in pairs
-        ]
-        probe = sum((g * v).sum() for (_, g), v in zip(pairs, signs))
-        del signs
+        # drawn in the gradients' dtype (int64 draws were twice an fp32 gradient's bytes, and its copy once more)
+        signs = [torch.randint(0, 2, g.shape, dtype=g.dtype, device=g.device, generator=generator).mul_(2).sub_(1)
+                 for _, g in pairs]
         captured: dict[str, torch.Tensor] = {}
         partial: dict[str, list] = {}  # type: ignore[type-arg]  # key -> [J^T v over its memory so far, edges seen]
 
@@ -163,9 +160,12 @@ def estimate_sensitivity(
 
         handles = [node.register_prehook(make_hook(entries)) for node, entries in by_node.items()]
         handles += [node.register_prehook(_stop) for node in forward_nodes if node not in by_node]
+        # what reaches the parameters is not wanted: each one's dropped as it is complete, not held to the end
+        handles += [p.register_hook(_drop) for p, _ in pairs]
         try:
-            if probe.requires_grad:
-                torch.autograd.grad(probe, [p for p, _ in pairs], retain_graph=i < samples - 1, allow_unused=True)
+            # the gradient of v . g: a backward from the gradients with v as theirs, with no v * g of its own
+            torch.autograd.grad([g for _, g in pairs], [p for p, _ in pairs], grad_outputs=signs,
+                                retain_graph=i < samples - 1, allow_unused=True)
         except RuntimeError as e:  # an op without a double-backward formula (CPU flash attention)
             if "derivative for" not in str(e) and "not implemented" not in str(e):
                 raise
@@ -175,6 +175,7 @@ def estimate_sensitivity(
         finally:
             for h in handles:
                 h.remove()
+            del signs
         for key in list(partial):  # edges the backward never reached
             finish(key)
         for key, total in captured.items():
@@ -209,6 +210,18 @@ def _layout(t: torch.Tensor, obj: torch.Tensor) -> _Layout | None:
 def _forward_nodes(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
     """The autograd nodes of the forward that made ``loss`` (parameters' accumulators left out)."""
     return [n for n in autograd_nodes(loss.grad_fn) if type(n).__name__ != "AccumulateGrad"]
+
+
+def _square_norm(t: torch.Tensor) -> float:
+    """``||t||**2`` in fp64, a million elements at a time (an fp64 copy of an embedding's gradient is twice its
+    bytes)."""
+    return sum(float(c.double().square().sum()) for c in t.detach().reshape(-1).split(1 << 20))
+
+
+def _drop(grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's hook in the sensitivity pass: its gradient there is not used; what the pass returns for it is
+    a zero that holds no memory."""
+    return grad.new_zeros(()).expand(grad.shape)
 
 
 def _stop(grad_outputs: tuple) -> tuple:  # type: ignore[type-arg]
