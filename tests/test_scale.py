@@ -39,7 +39,7 @@ def test_batch_take_cuts_every_tensor_along_the_batch_dimension() -> None:
 
 
 def test_sizes_within_a_limit() -> None:
-    """The largest sizes whose peak, on the line through the measured ones, stays within the limit."""
+    """The largest sizes whose peak, on the lines through the measured ones, stays within the limit."""
     peaks = [(32, 100 + 10 * 32), (16, 100 + 10 * 16)]  # 100 fixed, 10 per sample
     assert sizes_within(32, peaks, 420) == (None, 420)  # the whole batch fits
     assert sizes_within(32, peaks, 419) == (trace_sizes(32, 31), 410)
@@ -51,6 +51,10 @@ def test_sizes_within_a_limit() -> None:
     assert sizes_within(32, [(32, 420)], 100) == (None, 420)  # one size: no line to choose by
     assert sizes_within(4, peaks, 135) == (trace_sizes(4, 3), 130)
     assert sizes_within(3, peaks, 135) == (None, 130)  # nothing below 3 samples to go to
+    # the largest phase's peak: parameter-sized tensors below 8 samples, activations above (convex in the batch)
+    convex = [(32, 420), (16, 260), (8, 200)]  # 10 a sample above 16, 7.5 from 8 to 16
+    assert sizes_within(32, convex, 245) == (trace_sizes(32, 14), 245)  # within the measured sizes: between them
+    assert sizes_within(32, convex, 185) == (trace_sizes(32, 6), 185)  # below them: the line through the two smallest
 
 
 def test_trace_sizes_and_time_extrapolation() -> None:
