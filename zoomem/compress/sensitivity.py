@@ -121,8 +121,8 @@ def estimate_sensitivity(
     range_sq = {key: _group_range_sq(saved[key], groups[key]) for _, keys in by_node.items() for _, key, _ in keys}
     for i in range(samples):
         # drawn in the gradients' dtype (int64 draws were twice an fp32 gradient's bytes, and its copy once more)
-        signs = [torch.randint(0, 2, g.shape, dtype=g.dtype, device=g.device, generator=generator).mul_(2).sub_(1)
-                 for _, g in pairs]
+        probe = sum(_SignedSum.apply(g, torch.randint(0, 2, g.shape, dtype=g.dtype, device=g.device,
+                                                      generator=generator).mul_(2).sub_(1)) for _, g in pairs)
         captured: dict[str, torch.Tensor] = {}
         partial: dict[str, list] = {}  # type: ignore[type-arg]  # key -> [J^T v over its memory so far, edges seen]
 
@@ -163,9 +163,8 @@ def estimate_sensitivity(
         # what reaches the parameters is not wanted: each one's dropped as it is complete, not held to the end
         handles += [p.register_hook(_drop) for p, _ in pairs]
         try:
-            # the gradient of v . g: a backward from the gradients with v as theirs, with no v * g of its own
-            torch.autograd.grad([g for _, g in pairs], [p for p, _ in pairs], grad_outputs=signs,
-                                retain_graph=i < samples - 1, allow_unused=True)
+            if probe.requires_grad:
+                torch.autograd.grad(probe, [p for p, _ in pairs], retain_graph=i < samples - 1, allow_unused=True)
         except RuntimeError as e:  # an op without a double-backward formula (CPU flash attention)
             if "derivative for" not in str(e) and "not implemented" not in str(e):
                 raise
@@ -175,7 +174,6 @@ def estimate_sensitivity(
         finally:
             for h in handles:
                 h.remove()
-            del signs
         for key in list(partial):  # edges the backward never reached
             finish(key)
         for key, total in captured.items():
@@ -210,6 +208,22 @@ def _layout(t: torch.Tensor, obj: torch.Tensor) -> _Layout | None:
 def _forward_nodes(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
     """The autograd nodes of the forward that made ``loss`` (parameters' accumulators left out)."""
     return [n for n in autograd_nodes(loss.grad_fn) if type(n).__name__ != "AccumulateGrad"]
+
+
+class _SignedSum(torch.autograd.Function):
+    """``v . g`` for a gradient ``g`` and a sign vector ``v``. Its backward hands ``v`` itself on as ``g``'s gradient
+    and lets it go: no product of ``v`` and ``g`` is made, and each ``v`` lives until the second backward has used it
+    (held to its end, the signs are as large as the parameters)."""
+
+    @staticmethod
+    def forward(ctx, g, v):  # type: ignore[override]
+        ctx.v = v
+        return torch.dot(g.reshape(-1), v.reshape(-1))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        v, ctx.v = ctx.v, None
+        return v.mul_(grad), None
 
 
 def _square_norm(t: torch.Tensor) -> float:
