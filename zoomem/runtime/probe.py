@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..adapters import Unit
+from ..adapters.base import MEAN_LOSS_BYTES, sampled_loss
 from ..autograd_graph import autograd_nodes
 from ..batch import Batch
 from ..compress.quantize import GROUP_SIZE, row_dims, row_group
@@ -425,7 +426,13 @@ def probe_saved(
             routed.enter_context(sensitivity_pass())  # the losses' second backward: only what sensitivities follow
         with store.hooks(model, batch.args, batch.kwargs), _regions(store, units), routed:
             out = batch.call(model)
-        loss = loss_fn(out, batch)
+        token = MEAN_LOSS_BYTES.set(0)
+        try:
+            loss = loss_fn(out, batch)
+            if sensitivity and MEAN_LOSS_BYTES.get():  # no loss seen: one with a training loss's gradients
+                loss = sampled_loss(out, generator)
+        finally:
+            MEAN_LOSS_BYTES.reset(token)
         _mark_exact_reads(loss, store)
         _keep_memories_whole(store.infos)
         if sensitivity:
