@@ -741,7 +741,7 @@ def test_a_models_sensitivities_without_its_loss_predict_the_variance_it_makes()
     """timm models take their target outside the forward, so planning sees no loss (``default_loss`` takes the mean
     of the logits). Sensitivities measured against that mean fell with the batch: ViT-Tiny's small layout at 32
     images made 19.2x the gradient variance its L2 plan predicted. Measured against the sampled loss
-    (``zoomem.adapters.base.sampled_loss``), the prediction holds within 3x of what the plan makes, on steps whose
+    (``zoomem.runtime.probe.sampled_loss``), the prediction holds within 3x of what the plan makes, on steps whose
     rounding noise the mean over 8 steps shows to be noise alone (no bias)."""
     model, adapter, batch = small("timm/vit_tiny_patch16_224", seed=0, batch_size=32)
     model.train()

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..batch import Batch
 
-__all__ = ["Adapter", "Unit", "default_loss", "sampled_loss"]
+__all__ = ["Adapter", "Unit", "default_loss"]
 
 
 @dataclass(frozen=True)
@@ -59,40 +59,6 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
         )
     MEAN_LOSS_BYTES.set(max(MEAN_LOSS_BYTES.get(), sum(t.numel() * t.element_size() for t in leaves)))
     return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
-
-
-def sampled_loss(output: Any, generator: torch.Generator | None = None) -> torch.Tensor:
-    """What a sensitivity measurement differentiates where :func:`default_loss` found no loss and took the mean of
-    the outputs (the target lies outside the forward, as timm's and PyG's training loops keep it): the logits
-    (the output, its ``logits``, or its first element; two or more dimensions) under cross-entropy against classes
-    drawn from their own softmax over the last dimension, what a training loss sends them (in distribution: the
-    Fisher's gradient), and every other floating output under random signs.
-
-    Why: the mean sends every sample the same gradient, which adds up over the batch where a training loss's
-    per-sample gradients do not, so the parameter gradient's norm grew against the noise rounding adds, and
-    sensitivities relative to it fell with the batch size (ViT-Tiny's small layout at 32 images: plans predicted
-    19x less gradient variance than they made; 1.6x at 2 images).
-    """
-    from torch.utils import _pytree as pytree
-
-    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
-    if logits is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        logits = output[0]
-    total: torch.Tensor | None = None
-    for t in pytree.tree_leaves(output):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad):
-            continue
-        x = t.float()
-        if t is logits and x.dim() >= 2 and x.shape[-1] > 1:
-            rows = x.reshape(-1, x.shape[-1])
-            with torch.no_grad():
-                drawn = torch.multinomial(torch.softmax(rows, -1), 1, generator=generator).squeeze(1)
-            part = nn.functional.cross_entropy(rows, drawn)
-        else:
-            signs = torch.randint(0, 2, x.shape, dtype=x.dtype, device=x.device, generator=generator).mul_(2).sub_(1)
-            part = (x * signs).mean()
-        total = part if total is None else total + part
-    return total if total is not None else default_loss(output)
 
 
 MEAN_LOSS_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("zoomem_mean_loss_bytes", default=0)
