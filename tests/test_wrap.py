@@ -1159,13 +1159,15 @@ class _UsersClassifier(nn.Module):
         return self.head(self.backbone(input_ids=input_ids).last_hidden_state[:, -1])
 
 
-@pytest.mark.parametrize("held", ["peft-lora", "users-module"])
+@pytest.mark.parametrize("held", ["peft-lora", "users-module", "users-layers"])
 def test_gpt2_under_lora_or_a_users_module_recomputes_without_its_cache(held: str) -> None:
-    """The same cache, in the two ways fine-tuners hold GPT-2 besides the bare model: a PEFT LoRA model (an
-    ``nn.Module`` of PEFT's, not a ``PreTrainedModel``) and a module of the user's own with GPT-2 as its backbone.
-    Both fell to the generic adapter, whose recomputation wrote the cache a second time: torch's checkpoint raised
+    """The same cache, in the ways fine-tuners hold GPT-2 besides the bare model: a PEFT LoRA model (an
+    ``nn.Module`` of PEFT's, not a ``PreTrainedModel``), a module of the user's own with GPT-2 as its backbone, and
+    that backbone's blocks of a subclass of the user's (``class MyBlock(GPT2Block)``, defined outside transformers).
+    They fell to the generic adapter, whose recomputation wrote the cache a second time: torch's checkpoint raised
     in planning. Now PEFT models get the transformers adapter (units, cache, fused loss, ``skip_logits``) and the
-    generic adapter passes HF layers no cache; gradients are plain PyTorch's, frozen weights get none."""
+    generic adapter passes HF layers, and layers of classes derived from them, no cache; gradients are plain
+    PyTorch's, frozen weights get none."""
     import peft
 
     model, _, batch = zoo.small("hf/gpt2")
@@ -1175,6 +1177,9 @@ def test_gpt2_under_lora_or_a_users_module_recomputes_without_its_cache(held: st
                                                            init_lora_weights=False))
         user = zoomem.Batch(kwargs={"input_ids": ids, "labels": ids})
     else:
+        if held == "users-layers":
+            for block in model.transformer.h:
+                block.__class__ = type("UsersBlock", (type(block),), {"__module__": "users_models"})
         model = _UsersClassifier(model.transformer)
         user = zoomem.Batch(args=(ids,), target=torch.randint(0, 3, (ids.shape[0],)))
     adapter = zoomem.adapters.get_adapter(model)

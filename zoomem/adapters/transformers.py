@@ -122,9 +122,10 @@ def _checkpointing_layer() -> type | None:
 
 
 def is_hf_layer(module: nn.Module) -> bool:
-    """Whether ``module``'s class is transformers' own (a ``GPT2Block``, ``LlamaDecoderLayer``, ...): the layers
-    whose recomputation needs :meth:`TransformersAdapter.recompute_inputs`, whatever model holds them."""
-    return type(module).__module__.startswith("transformers.")
+    """Whether ``module``'s class is transformers' own (a ``GPT2Block``, ``LlamaDecoderLayer``, ...) or derives from
+    one (a user's ``class MyBlock(GPT2Block)``): the layers whose recomputation needs
+    :meth:`TransformersAdapter.recompute_inputs`, whatever model holds them."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
 
 
 def hf_core(model: nn.Module) -> nn.Module | None:
