@@ -1052,31 +1052,28 @@ def _refresh_scale(batch: Batch, adapter: Adapter, scale: Scale | None, peaks: l
     largest = max(peaks)
     if fixed + largest[1] <= limit:
         return scale
-    if len({s for s, _ in peaks}) < 2:
-        if largest[0] // 2 < 2:
-            return scale
+
+    def measured(samples: int) -> bool:
+        """``probe(samples)``, its peak averaged over ranks; False where it failed (logged)."""
         try:
-            probe(largest[0] // 2)
+            probe(samples)
         except Exception as exc:  # noqa: BLE001 - a model that takes no sub-batch, or out of memory: keep the sizes
             _release_memory()
             _log_rank0("zoomem: measuring sensitivities at %d samples peaks above %s, and on %d samples failed (%s): "
-                       "refreshes measure at %d", largest[0], limit_name, largest[0] // 2, exc_text(exc), largest[0])
-            return scale
+                       "refreshes measure at %d", largest[0], limit_name, samples, exc_text(exc), largest[0])
+            return False
         mean = all_reduce_mean({"peak": float(peaks[-1][1])})
         peaks[-1] = (peaks[-1][0], int(mean["peak"]))
+        return True
+
+    if len({s for s, _ in peaks}) < 2 and (largest[0] // 2 < 2 or not measured(largest[0] // 2)):
+        return scale
     sizes, peak = sizes_within(n, peaks, limit - fixed, cap=scale)
     # a size chosen below every one measured is measured: the line through larger ones can predict too little there
     # (sizes_within); then a smaller one is chosen from that point, down to 3 samples
     while sizes not in (None, scale) and fixed + peak <= limit and sizes.large < min(s for s, _ in peaks):
-        try:
-            probe(sizes.large)
-        except Exception as exc:  # noqa: BLE001 - as above: keep the sizes that ran
-            _release_memory()
-            _log_rank0("zoomem: measuring sensitivities on %d samples failed (%s): refreshes measure at %d",
-                       sizes.large, exc_text(exc), largest[0])
+        if not measured(sizes.large):
             return scale
-        mean = all_reduce_mean({"peak": float(peaks[-1][1])})
-        peaks[-1] = (peaks[-1][0], int(mean["peak"]))
         sizes, peak = sizes_within(n, peaks, limit - fixed, cap=scale)
     above = "measuring sensitivities at %d samples peaks at %.1f MiB, above %s (%.1f MiB)"
     values = (largest[0], (fixed + largest[1]) / _MIB, limit_name, limit / _MIB)
