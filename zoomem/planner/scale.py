@@ -73,8 +73,9 @@ def sizes_within(target: int, peaks: Sequence[tuple[int, int]], allowed: int,
     ``peaks`` are the measurement's peaks, ``(samples, bytes)``, at two or more batch sizes. Each phase of a step
     holds bytes affine in the batch size, so its peak, the largest phase's, is convex: piecewise linear through the
     measured sizes, and below the smallest on the line through the two smallest, which predicts too little where
-    another phase takes over (the sensitivity probe of ViT-Tiny's small layout: 72.7 MiB at 2 samples, 58.3 on the
-    line through 16 and 32; the caller measures the size chosen, :func:`zoomem.runtime.wrap._refresh_scale`).
+    another phase takes over (the sensitivity probe of ViT-Tiny's small layout on ``ad419a6``, whose sign vectors were
+    a phase of their own: 72.7 MiB at 2 samples, 58.3 on the line through 16 and 32; the caller measures the size
+    chosen, :func:`zoomem.runtime.wrap._refresh_scale`).
     ``cap`` (the sizes that ran already; ``None``: the batch) where they fit, or where ``peaks`` cannot tell, or
     where not even 3 samples fit (then the peak returned is above ``allowed``: measuring on a few samples would not
     keep within it, and would measure worse); else the largest :func:`trace_sizes` below ``cap`` that fits.
