@@ -187,3 +187,23 @@ def test_squeeze_excite_gates_are_measured() -> None:
     infos, _ = probe_saved(model, batch, lambda out, b: adapter.loss(model, b, out), adapter.units(model))
     eligible = [i for i in infos if i.lossy is None]
     assert len(eligible) >= 20 and all(i.measured for i in eligible)
+
+
+def test_sampled_loss_sends_the_logits_a_training_losss_gradients_and_survives_nan() -> None:
+    """Where planning sees no loss, the measurement differentiates ``sampled_loss``: cross-entropy against classes
+    drawn from the logits' own softmax (each row's gradient sums to zero and is ``(softmax - onehot) / rows``),
+    random signs on other outputs; logits holding NaN (a diverged step) take the signs' branch instead of
+    ``multinomial`` raising."""
+    from zoomem.runtime.probe import sampled_loss
+
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    features = torch.randn(6, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    (g_logits, g_features) = torch.autograd.grad(
+        sampled_loss((logits, features), torch.Generator().manual_seed(2)), (logits, features))
+    p = torch.softmax(logits.detach(), 1)
+    drawn = (p - 6 * g_logits).round()  # the one-hot rows of the drawn classes
+    assert torch.equal(drawn.sum(1), torch.ones(6)) and set(drawn.flatten().tolist()) <= {0.0, 1.0}
+    torch.testing.assert_close(g_logits, (p - drawn) / 6)
+    assert torch.equal(g_features.abs(), torch.full((6,), 1 / 6))
+    bad = torch.full((4, 3), float("nan"), requires_grad=True)
+    assert sampled_loss(bad).isnan()
