@@ -2,8 +2,9 @@
 
     python scripts/predicted_variance.py timm/vit_tiny_patch16_224 --small --batch 32       # 20 s, 2 cores
     python scripts/predicted_variance.py pyg/gcn --small --batch 2 --level L2.2 --steps 16
+    python scripts/predicted_variance.py pyg/gcn --small --batch 2 --refreshed
 
-Wraps the model at ``--level`` (sensitivities not refreshed), runs one step to plan, then ``--steps`` steps on the
+Wraps the model at ``--level`` (sensitivities not refreshed; with ``--refreshed``, once), runs one step to plan, then ``--steps`` steps on the
 same batch (dropout masks alike) and prints the mean of their squared gradient error relative to plain PyTorch's
 squared gradient norm beside the plan's ``variance``, and the error of the steps' mean gradient (what rounding noise
 alone leaves of it: the mean error over the number of steps; more is bias). The tests hold the prediction within 3x
@@ -38,14 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser, batch=8)
     parser.add_argument("--level", default="L2", help="a lossy level (default L2)")
     parser.add_argument("--steps", type=int, default=8, help="steps whose error is averaged (default 8)")
+    parser.add_argument("--refreshed", action="store_true",
+                        help="predict after the first refresh (steps 1-2: against the gradient step 1's loss sent "
+                             "the outputs) rather than from planning's measurement")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model, adapter, batch = model_from_arguments(args)
     model.train()
     ref = _grads(model, adapter, batch)
-    zoomem.wrap(model, level=args.level, adapter=adapter, sensitivity_interval=0)
-    _grads(model, adapter, batch)  # plans
-    plan = next(iter(model.__dict__["_zoomem"].plans.values()))
+    zoomem.wrap(model, level=args.level, adapter=adapter, sensitivity_interval=200 if args.refreshed else 0)
+    handle = model.__dict__["_zoomem"]
+    for _ in range(3 if args.refreshed else 1):  # plans (step 0), holds step 1's output gradient, refreshes (2)
+        _grads(model, adapter, batch)
+    handle.sensitivity_interval = 0  # the plan stays while its steps are measured
+    plan = next(iter(handle.plans.values()))
     runs = [_grads(model, adapter, batch) for _ in range(args.steps)]
     made = sum(_sq([a - b for a, b in zip(g, ref)]) for g in runs) / len(runs) / _sq(ref)
     mean = [sum(gs) / len(runs) for gs in zip(*runs)]

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from ..ops.attention import differentiable_attention
 from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
 from ..ops.loss import cross_entropy, sensitivity_pass
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
+from .capture import output_grad_loss
 from .distributed import all_reduce_mean
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
@@ -440,10 +441,13 @@ def probe_saved(
     sensitivity: bool = True,
     samples: int = 1,
     generator: torch.Generator | None = None,
+    output_grads: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[SavedInfo], float]:
     """The saved tensors of one training step on ``batch`` with their sensitivities, and ``||g||**2``.
 
-    The forward runs as the model is set up now (the caller switches implementations on as the plan will).
+    The forward runs as the model is set up now (the caller switches implementations on as the plan will). Where
+    ``loss_fn`` finds no loss (the mean of the outputs), sensitivities follow ``output_grads`` (what a training step's
+    own loss sent the outputs of ``batch``, :func:`~.capture.output_grad_loss`), else :func:`sampled_loss`.
     """
     t0 = time.perf_counter()
     held, dead_at = liveness(model, batch, units)
@@ -465,8 +469,15 @@ def probe_saved(
         try:
             loss = loss_fn(out, batch)
             if sensitivity and MEAN_LOSS_BYTES.get():  # no loss seen: one with a training loss's gradients
-                with sensitivity_pass():
-                    loss = sampled_loss(out, generator)
+                own = output_grad_loss(out, output_grads) if output_grads is not None else None
+                if own is not None:
+                    loss = own
+                else:
+                    if output_grads is not None:
+                        logger.info("zoomem: the held output gradient does not match the outputs' shapes: "
+                                    "sensitivities measured against a sampled loss")
+                    with sensitivity_pass():
+                        loss = sampled_loss(out, generator)
         finally:
             MEAN_LOSS_BYTES.reset(token)
         _mark_exact_reads(loss, store)

@@ -45,6 +45,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
+from .capture import HeldOutputGrads
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
@@ -116,6 +117,9 @@ class _Planning:
     probe_scale: Scale | None = None
     """Where set, refreshes measure sensitivities on two smaller batches and extrapolate them: the measurement at
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
+    loss_unseen: bool = False
+    """The adapter's loss took the mean of the outputs (the loss lies outside the forward): refreshes measure
+    against what a step's own loss sent the outputs (:class:`~.capture.HeldOutputGrads`)."""
 
 
 def plan_key(batch: Batch, training: bool = True,
@@ -166,6 +170,10 @@ class _Handle:
     """Plan keys whose steps run the plan of larger inputs (:meth:`_larger_plan`) -> that plan's key."""
     own: set[tuple] = field(default_factory=set)  # type: ignore[type-arg]
     """Plan keys whose forward left the saves of the larger inputs' plan they ran: they plan on their own."""
+    holding: tuple | None = None  # type: ignore[type-arg]
+    """The plan key whose refresh is due: :meth:`plan_for` leaves it for the forward to hold the step's output
+    gradient, and the refresh runs at the next step of that key (:class:`~.capture.HeldOutputGrads`)."""
+    held: tuple[tuple, HeldOutputGrads] | None = None  # type: ignore[type-arg]
     pending: tuple[tuple, Batch] | None = None
     """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
     at the next training forward."""
@@ -198,7 +206,7 @@ class _Handle:
         self.own.clear()
         self.variants.clear()
         self.variant_tries.clear()
-        self.pending = None
+        self.pending = self.holding = self.held = None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """zoomem's own stochastic-rounding noise stream on ``device`` (seeded from the user's seed at wrap)."""
@@ -252,12 +260,16 @@ class _Handle:
             self._plan_variant(*self.pending)
         cached = self.plans.get(sig)
         if cached is not None:
-            if (sig in self.planning and refresh_due(self.steps, self.sensitivity_interval)
-                    and not self._skips_refresh(sig, cached)):
-                cached = self.plans[sig] = self._refresh(sig, batch, cached)
-                for smaller, source in self.reused.items():  # they run this plan
-                    if source == sig:
-                        self.plans[smaller] = cached
+            if sig in self.planning:
+                held = self.held[1] if self.held is not None and self.held[0] == sig else None
+                if held is not None:
+                    self.held = None
+                    cached = self._refresh(sig, batch, cached, held)
+                elif refresh_due(self.steps, self.sensitivity_interval) and not self._skips_refresh(sig, cached):
+                    if self.planning[sig].loss_unseen:
+                        self.holding = sig  # (the refresh waits for this step's output gradient)
+                    else:
+                        cached = self._refresh(sig, batch, cached)
             return cached
         source, larger = self._larger_plan(sig)
         if larger is not None:
@@ -438,17 +450,30 @@ class _Handle:
         measured = self.compress_scales[key]
         return 1.0 if measured is None else measured
 
-    def _refresh(self, sig: tuple, batch: Batch, old: Plan) -> Plan:  # type: ignore[type-arg]
-        """Measure the sensitivities again on this batch and re-allocate the bits (the plan's units stay)."""
+    def _refresh(self, sig: tuple, batch: Batch, old: Plan,  # type: ignore[type-arg]
+                 held: HeldOutputGrads | None = None) -> Plan:
+        """Measure the sensitivities again and re-allocate the bits (the plan's units stay): on ``held``'s batch
+        against its output gradient where it holds one that can be used, else on this batch; the plans of smaller
+        inputs that ran the old plan run the new one."""
         import time
 
         t0 = time.perf_counter()
         ctx = self.planning[sig]
+        grads, against = None, ""
+        if held is not None:
+            unusable = held.unusable()
+            if unusable is None:
+                assert held.batch is not None
+                batch, grads = held.batch, held.grads
+                against = f" against the gradient step {held.step}'s loss sent the outputs, on its batch"
+            else:
+                against = f" against a sampled loss ({unusable})"
 
         def replan() -> Plan:
             (infos, grad_sq), ctx.probe_scale = _fitting(
                 batch, self.adapter, ctx.probe_scale, "measuring sensitivities",
-                lambda s: _probe_at(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, s))
+                lambda s: _probe_at(self, batch, self.adapter, self.loss_fn, self.units, ctx.chosen_units, s,
+                                    output_grads=grads))
             ctx.infos = infos
             ctx.costs.attach_saved(infos, grad_sq, ctx.costs.compress_s_per_byte)
             if self.level is not None:
@@ -460,8 +485,13 @@ class _Handle:
         with self.planning_scope():
             new = from_rank0(replan, _encode_plan, _decode_plan)
         new.signature, new.extras, new.traced_at, new.saves = old.signature, dict(old.extras), old.traced_at, old.saves
-        _log_rank0("zoomem: sensitivities re-measured at step %d in %.2f s (every %d steps); %d tensors lossy",
-                    self.steps, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
+        del held, grads
+        _log_rank0("zoomem: sensitivities re-measured at step %d%s in %.2f s (every %d steps); %d tensors lossy",
+                   self.steps, against, time.perf_counter() - t0, self.sensitivity_interval, len(new.bits))
+        self.plans[sig] = new
+        for smaller, source in self.reused.items():  # they run this plan
+            if source == sig:
+                self.plans[smaller] = new
         return new
 
 
@@ -730,6 +760,7 @@ def _make(
     chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
     infos: list[SavedInfo] = []
     probe_scale = scale
+    loss_unseen = loss_fn is None and MEAN_LOSS_BYTES.get() > 0  # the trace took the mean of the outputs
     if lossy:
         peaks: list[tuple[int, int]] = []
         (infos, grad_sq), probe_scale = _fitting(
@@ -754,7 +785,7 @@ def _make(
         new.budget_bytes = budget_bytes
         new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
@@ -810,7 +841,7 @@ def _make(
             return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
@@ -983,9 +1014,11 @@ def _compression_scale(handle: "_Handle", costs: CostModel, infos: list[SavedInf
 def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
            loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
            model: nn.Module | None = None, chosen: dict[str, list] | None = None,  # type: ignore[type-arg]
-           peaks: list[tuple[int, int]] | None = None) -> tuple[list[SavedInfo], float]:
-    """Enumerate the saved tensors (compact forms on, nothing recomputed) and measure their sensitivities; with
-    ``peaks``, add ``(samples, peak bytes above its start)`` to it where nothing else is metering."""
+           peaks: list[tuple[int, int]] | None = None,
+           output_grads: Sequence[torch.Tensor | None] | None = None) -> tuple[list[SavedInfo], float]:
+    """Enumerate the saved tensors (compact forms on, nothing recomputed) and measure their sensitivities (against
+    ``output_grads`` where the loss is not seen, :func:`probe_saved`); with ``peaks``, add ``(samples, peak bytes
+    above its start)`` to it where nothing else is metering."""
     model = handle.model if handle is not None else model
     assert model is not None
     loss = _loss(adapter, model, loss_fn)
@@ -996,12 +1029,12 @@ def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
             previous, handle.active = handle.active, _Active({u.name: Decision.KEEP for u in units}, chosen_units)
             previous_busy, handle.busy = handle.busy, True
             try:
-                return probe_saved(model, batch, loss, units, generator=generator)
+                return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads)
             finally:
                 handle.active, handle.busy = previous, previous_busy
         undo = install_all(chosen or {})
         try:
-            return probe_saved(model, batch, loss, units, generator=generator)
+            return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads)
         finally:
             undo()
 
@@ -1019,14 +1052,15 @@ def _probe_at(handle: "_Handle | None", batch: Batch, adapter: Adapter,
               loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
               scale: Scale | None, model: nn.Module | None = None,
               chosen: dict[str, list] | None = None,  # type: ignore[type-arg]
-              peaks: list[tuple[int, int]] | None = None) -> tuple[list[SavedInfo], float]:
+              peaks: list[tuple[int, int]] | None = None,
+              output_grads: Sequence[torch.Tensor | None] | None = None) -> tuple[list[SavedInfo], float]:
     """:func:`_probe` on ``batch``, or on its two sub-batches of ``scale`` and extrapolated to the batch."""
     if scale is None:
-        return _probe(handle, batch, adapter, loss_fn, units, chosen_units, model, chosen, peaks)
+        return _probe(handle, batch, adapter, loss_fn, units, chosen_units, model, chosen, peaks, output_grads)
     small, _ = _probe(handle, adapter.sub_batch(batch, scale.small), adapter, loss_fn, units, chosen_units, model,
-                      chosen, peaks)
+                      chosen, peaks, output_grads)
     large, grad_sq = _probe(handle, adapter.sub_batch(batch, scale.large), adapter, loss_fn, units, chosen_units,
-                            model, chosen, peaks)
+                            model, chosen, peaks, output_grads)
     return scale_saved(small, large, grad_sq, scale)
 
 
@@ -1490,11 +1524,15 @@ def wrap(
     def planned(*args: Any, **kwargs: Any) -> Any:
         batch = Batch(tuple(args), dict(kwargs))
         plan = handle.plan_for(batch)
+        holding, handle.holding = handle.holding, None
         handle.active = handle.active_for(plan, smaller=handle.runs_smaller)
         handle.steps += 1
         try:
             with handle.active.hooks(model, batch):
-                return handle.in_force(original)(*args, **kwargs)
+                out = handle.in_force(original)(*args, **kwargs)
+            if holding is not None and holding == handle.last_sig:  # a refresh waits for this step's output gradient
+                handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, batch, out, plan.predicted_peak_bytes))
+            return out
         finally:
             store, sig = handle.active.store, handle.last_sig
             if store is not None and store.diverged is not None and sig is not None:
