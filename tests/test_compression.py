@@ -812,13 +812,14 @@ def test_output_grad_loss_sends_the_model_the_gradient_its_loss_did() -> None:
     assert output_grad_loss(out, [grad[:, :5]]) is None and output_grad_loss(out, [grad, grad]) is None
 
 
-@pytest.mark.parametrize("case", ["changed", "no-backward", "large"])
+@pytest.mark.parametrize("case", ["changed", "no-backward", "large", "not-finite"])
 def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
     case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The refresh falls back to the sampled loss, on its own step's batch, where the held step's batch was changed
-    in place since (a loop reusing its input buffer), where no backward reached the outputs, and where the outputs
-    are too large to hold beside the plan (``OUTPUT_GRAD_SHARE`` of its predicted peak: an LM's logits)."""
+    in place since (a loop reusing its input buffer), where no backward reached the outputs, where the outputs are
+    too large to hold beside the plan (``OUTPUT_GRAD_SHARE`` of its predicted peak: an LM's logits), and where the
+    gradient is not finite (fp16 loss scaling that overflowed)."""
     from zoomem.runtime import capture
 
     if case == "large":
@@ -828,9 +829,11 @@ def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
     zoomem.wrap(model, level="L2", sensitivity_interval=200)
     handle = model.__dict__["_zoomem"]
     _grads(model, adapter, batch)  # plans
-    if case == "no-backward":
+    if case in ("no-backward", "not-finite"):
         model.zero_grad(set_to_none=True)  # (a step starting with gradients held would plan on its own)
-        batch.call(model)
+        out = batch.call(model)
+        if case == "not-finite":
+            (out * float("inf")).sum().backward()
     else:
         _grads(model, adapter, batch)
     held = handle.held[1]
@@ -840,7 +843,8 @@ def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
     with caplog.at_level(logging.INFO, logger="zoomem"):
         _grads(model, adapter, batch)
     why = {"changed": "the batch or the gradient was changed in place since", "no-backward": "no backward reached "
-           "the outputs", "large": "more than 0% of the plan's predicted peak"}[case]
+           "the outputs", "large": "more than 0% of the plan's predicted peak",
+           "not-finite": "the gradient is not finite"}[case]
     assert "re-measured at step 2 against a sampled loss (" in caplog.text and why in caplog.text, caplog.text
 
 

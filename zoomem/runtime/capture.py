@@ -96,4 +96,6 @@ class HeldOutputGrads:
         if any(t._version != v for t, v in self.versions) or any(
                 g is not None and g._version != v for g, v in zip(self.grads, self.grad_versions)):
             return "the batch or the gradient was changed in place since"
+        if not all(bool(torch.isfinite(g).all()) for g in self.grads if g is not None):
+            return "the gradient is not finite (a loss-scaling step that overflowed)"
         return None
