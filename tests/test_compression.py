@@ -787,6 +787,24 @@ def test_a_refresh_measures_against_the_gradient_a_steps_own_loss_sent_the_outpu
     assert predicted / 3 <= made <= 3 * predicted, (made, predicted)
 
 
+def test_a_held_refresh_runs_at_the_next_step_whatever_its_inputs(caplog: pytest.LogCaptureFixture) -> None:
+    """Loaders whose batches change shape (PyG's neighbour sampling, an epoch's last short batch) need not repeat
+    the held step's inputs: the refresh runs at the next training step, on the held step's batch, and that step
+    (smaller inputs here) runs the refreshed plan."""
+    model, adapter, batch = small("timm/resnet18", seed=0, batch_size=4)
+    model.train()
+    zoomem.wrap(model, level="L2", sensitivity_interval=200)
+    handle = model.__dict__["_zoomem"]
+    for _ in range(2):  # plans, holds
+        _grads(model, adapter, batch)
+    ((sig, planned),) = handle.plans.items()
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        _grads(model, adapter, batch.take(2))
+    assert "re-measured at step 2 against the gradient step 1's loss sent the outputs" in caplog.text
+    (short,) = set(handle.plans) - {sig}
+    assert handle.plans[sig] is not planned and handle.plans[short] is handle.plans[sig] and handle.held is None
+
+
 def test_output_grad_loss_sends_the_model_the_gradient_its_loss_did() -> None:
     """``sum(output * grad)``: the parameters get the real loss's gradient, bitwise; on a sub-batch's outputs the
     gradient's first rows; outputs of other shapes give ``None`` (the refresh then samples a loss)."""
@@ -816,7 +834,7 @@ def test_output_grad_loss_sends_the_model_the_gradient_its_loss_did() -> None:
 def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
     case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The refresh falls back to the sampled loss, on its own step's batch, where the held step's batch was changed
+    """The refresh falls back to the sampled loss, on the held step's batch, where the held step's batch was changed
     in place since (a loop reusing its input buffer), where no backward reached the outputs, where the outputs are
     too large to hold beside the plan (``OUTPUT_GRAD_SHARE`` of its predicted peak: an LM's logits), and where the
     gradient is not finite (fp16 loss scaling that overflowed)."""
@@ -837,7 +855,7 @@ def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
     else:
         _grads(model, adapter, batch)
     held = handle.held[1]
-    assert held.step == 1 and (held.batch is None) == (case == "large")
+    assert held.step == 1 and held.batch is not None and (held.declined is not None) == (case == "large")
     if case == "changed":
         batch.args[0].mul_(0.5)
     with caplog.at_level(logging.INFO, logger="zoomem"):

@@ -55,10 +55,11 @@ def output_grad_loss(output: Any, grads: Sequence[torch.Tensor | None]) -> torch
 
 @dataclass
 class HeldOutputGrads:
-    """One training step's batch and the gradient its loss sent the outputs, caught by hooks on them."""
+    """One training step's batch and the gradient its loss sent the outputs, caught by hooks on them: a refresh
+    due at that step runs at the next training step (of any input signature), on this batch."""
 
     step: int
-    batch: Batch | None = None
+    batch: Batch
     grads: list[torch.Tensor | None] = field(default_factory=list)
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     grad_versions: list[int] = field(default_factory=list)
@@ -66,19 +67,21 @@ class HeldOutputGrads:
 
     @classmethod
     def hold(cls, step: int, batch: Batch, output: Any, peak_bytes: int) -> "HeldOutputGrads":
-        """Hooks on ``output``'s floating tensors; declined where they hold more than :data:`OUTPUT_GRAD_SHARE` of
-        the plan's predicted ``peak_bytes``."""
+        """The step's batch, and hooks on ``output``'s floating tensors unless they hold more than
+        :data:`OUTPUT_GRAD_SHARE` of the plan's predicted ``peak_bytes`` (declined: the batch alone is held, for a
+        refresh against a sampled loss)."""
         leaves = output_leaves(output)
         nbytes = sum(t.numel() * t.element_size() for t in leaves)
-        if not leaves:
-            return cls(step, declined="the output holds no floating tensor that backward reaches")
-        if nbytes > OUTPUT_GRAD_SHARE * peak_bytes:
-            return cls(step, declined=f"the outputs ({nbytes / 2**20:.1f} MiB) are more than "
-                                      f"{OUTPUT_GRAD_SHARE:.0%} of the plan's predicted peak")
         inputs = [t for t in pytree.tree_leaves((batch.args, batch.kwargs)) if isinstance(t, torch.Tensor)]
         held = cls(step, batch, [None] * len(leaves), [(t, t._version) for t in inputs], [0] * len(leaves))
-        for i, t in enumerate(leaves):
-            t.register_hook(functools.partial(held._caught, i))
+        if not leaves:
+            held.declined = "the output holds no floating tensor that backward reaches"
+        elif nbytes > OUTPUT_GRAD_SHARE * peak_bytes:
+            held.declined = (f"the outputs ({nbytes / 2**20:.1f} MiB) are more than {OUTPUT_GRAD_SHARE:.0%} of the "
+                             f"plan's predicted peak")
+        else:
+            for i, t in enumerate(leaves):
+                t.register_hook(functools.partial(held._caught, i))
         return held
 
     def _caught(self, i: int, grad: torch.Tensor) -> None:

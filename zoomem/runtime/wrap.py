@@ -172,7 +172,8 @@ class _Handle:
     """Plan keys whose forward left the saves of the larger inputs' plan they ran: they plan on their own."""
     holding: tuple | None = None  # type: ignore[type-arg]
     """The plan key whose refresh is due: :meth:`plan_for` leaves it for the forward to hold the step's output
-    gradient, and the refresh runs at the next step of that key (:class:`~.capture.HeldOutputGrads`)."""
+    gradient, and the refresh runs at the next training step, on that step's batch
+    (:class:`~.capture.HeldOutputGrads`)."""
     held: tuple[tuple, HeldOutputGrads] | None = None  # type: ignore[type-arg]
     pending: tuple[tuple, Batch] | None = None
     """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
@@ -254,22 +255,22 @@ class _Handle:
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
         self.last_sig, self.runs_smaller = sig, sig in self.reused
+        if self.held is not None:  # a refresh held the last step's output gradient: it runs now, on that step's batch
+            (held_sig, held), self.held = self.held, None  # (every rank: all held at the same step)
+            if held_sig in self.planning and held_sig in self.plans:
+                self._refresh(held_sig, held.batch, self.plans[held_sig], held)
         if self.lossy and world_size() > 1 and not same_everywhere(repr(sig)):  # (no repr per step in one process)
             return self._shared_plan(sig, batch)
         if self.pending is not None and not meter_busy(quiet=True):
             self._plan_variant(*self.pending)
         cached = self.plans.get(sig)
         if cached is not None:
-            if sig in self.planning:
-                held = self.held[1] if self.held is not None and self.held[0] == sig else None
-                if held is not None:
-                    self.held = None
-                    cached = self._refresh(sig, batch, cached, held)
-                elif refresh_due(self.steps, self.sensitivity_interval) and not self._skips_refresh(sig, cached):
-                    if self.planning[sig].loss_unseen:
-                        self.holding = sig  # (the refresh waits for this step's output gradient)
-                    else:
-                        cached = self._refresh(sig, batch, cached)
+            if (sig in self.planning and refresh_due(self.steps, self.sensitivity_interval)
+                    and not self._skips_refresh(sig, cached)):
+                if self.planning[sig].loss_unseen:
+                    self.holding = sig  # the refresh waits for this step's output gradient, to the next step
+                else:
+                    cached = self._refresh(sig, batch, cached)
             return cached
         source, larger = self._larger_plan(sig)
         if larger is not None:
@@ -452,9 +453,9 @@ class _Handle:
 
     def _refresh(self, sig: tuple, batch: Batch, old: Plan,  # type: ignore[type-arg]
                  held: HeldOutputGrads | None = None) -> Plan:
-        """Measure the sensitivities again and re-allocate the bits (the plan's units stay): on ``held``'s batch
-        against its output gradient where it holds one that can be used, else on this batch; the plans of smaller
-        inputs that ran the old plan run the new one."""
+        """Measure the sensitivities again on ``batch`` and re-allocate the bits (the plan's units stay); the plans
+        of smaller inputs that ran the old plan run the new one. With ``held`` (whose batch ``batch`` is) against
+        its output gradient where it can be used, else against a sampled loss."""
         import time
 
         t0 = time.perf_counter()
@@ -463,8 +464,7 @@ class _Handle:
         if held is not None:
             unusable = held.unusable()
             if unusable is None:
-                assert held.batch is not None
-                batch, grads = held.batch, held.grads
+                grads = held.grads
                 against = f" against the gradient step {held.step}'s loss sent the outputs, on its batch"
             else:
                 against = f" against a sampled loss ({unusable})"
