@@ -117,6 +117,9 @@ class _Planning:
     probe_scale: Scale | None = None
     """Where set, refreshes measure sensitivities on two smaller batches and extrapolate them: the measurement at
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
+    out_of_memory: bool = False
+    """A refresh's measurement ran out of memory on every size tried: the plan keeps its bits, refreshed no more
+    (a training step never fails for a refresh)."""
     loss_unseen: bool = False
     """The adapter's loss took the mean of the outputs (the loss lies outside the forward): refreshes measure
     against what a step's own loss sent the outputs (:class:`~.capture.HeldOutputGrads`)."""
@@ -266,7 +269,7 @@ class _Handle:
         cached = self.plans.get(sig)
         if cached is not None:
             if (sig in self.planning and refresh_due(self.steps, self.sensitivity_interval)
-                    and not self._skips_refresh(sig, cached)):
+                    and not self.planning[sig].out_of_memory and not self._skips_refresh(sig, cached)):
                 if self.planning[sig].loss_unseen:
                     self.holding = sig  # the refresh waits for this step's output gradient, to the next step
                 else:
@@ -482,8 +485,21 @@ class _Handle:
             return make_plan(ctx.costs, ctx.budget_bytes, strategy="ilp", time_limit=self.time_limit,
                              margin=old.extras.get("margin", SAFETY_MARGIN), compress=self.compress)
 
-        with self.planning_scope():
-            new = from_rank0(replan, _encode_plan, _decode_plan)
+        failed = None
+        try:
+            with self.planning_scope():
+                new = from_rank0(replan, _encode_plan, _decode_plan)
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
+            if not is_out_of_memory(exc):
+                raise
+            failed = exc_text(exc)
+        if failed is not None:  # (outside the except block: its traceback no longer holds the measurement's tensors)
+            _release_memory()
+            ctx.out_of_memory = True
+            _log_rank0("zoomem: sensitivities not re-measured at step %d: the measurement ran out of memory on "
+                       "every batch size tried (%s); the plan keeps the bits it has, and measures them no more",
+                       self.steps, failed, level=logging.WARNING)
+            return old
         new.signature, new.extras, new.traced_at, new.saves = old.signature, dict(old.extras), old.traced_at, old.saves
         del held, grads
         _log_rank0("zoomem: sensitivities re-measured at step %d%s in %.2f s (every %d steps); %d tensors lossy",
@@ -785,7 +801,7 @@ def _make(
         new.budget_bytes = budget_bytes
         new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen=loss_unseen)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
@@ -841,7 +857,7 @@ def _make(
             return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen=loss_unseen)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
