@@ -113,9 +113,12 @@ def test_cpu_num_processes_is_caught(tmp_path: Path) -> None:
 
 
 def test_resnet50_compressed(tmp_path: Path) -> None:
-    """timm ResNet-50 on the digits under a GACT level; the summary reports the lossy plan and its memory."""
-    summary, _ = launch("resnet50", tmp_path, "--steps", "3", "--batch-size", "8", "--log-every", "1",
-                        "--eval-batch-size", "600", "--max-eval-samples", "100", "--zoomem", "L2")
+    """timm ResNet-50 on the digits under a GACT level; the summary reports the lossy plan and its memory. The
+    recipe's loss lies outside the forward: the refresh due at step 1 measures at step 2, against the gradient step
+    1's loss sent the logits."""
+    summary, proc = launch("resnet50", tmp_path, "--steps", "3", "--batch-size", "8", "--log-every", "1",
+                           "--eval-batch-size", "600", "--max-eval-samples", "100", "--zoomem", "L2")
+    assert "re-measured at step 2 against the gradient step 1's loss sent the outputs" in proc.stderr, proc.stderr
     assert summary is not None
     assert summary["model"]["id"] == "timm/resnet50" and summary["model"]["image_size"] == 32
     assert summary["dataset"]["name"] == "digits" and summary["dataset"]["test"] == 599

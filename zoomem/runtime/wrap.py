@@ -45,7 +45,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
-from .capture import HeldOutputGrads
+from .capture import HeldOutputGrads, carries_loss
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
@@ -120,9 +120,6 @@ class _Planning:
     out_of_memory: bool = False
     """A refresh's measurement ran out of memory on every size tried: the plan keeps its bits, refreshed no more
     (a training step never fails for a refresh)."""
-    loss_unseen: bool = False
-    """The adapter's loss took the mean of the outputs (the loss lies outside the forward): refreshes measure
-    against what a step's own loss sent the outputs (:class:`~.capture.HeldOutputGrads`)."""
 
 
 def plan_key(batch: Batch, training: bool = True,
@@ -178,6 +175,10 @@ class _Handle:
     gradient, and the refresh runs at the next training step, on that step's batch
     (:class:`~.capture.HeldOutputGrads`)."""
     held: tuple[tuple, HeldOutputGrads] | None = None  # type: ignore[type-arg]
+    loss_in_output: bool = False
+    """The last training forward's output held its loss (an HF model given ``labels``). Where it did not and no
+    ``loss_fn`` was given, the loss lies outside the forward (timm's and PyG's loops): refreshes measure against the
+    gradient it sends the outputs (:attr:`holding`)."""
     pending: tuple[tuple, Batch] | None = None
     """A plan key and the batch of a forward that left its plan's saves and found no variant: planned as a variant
     at the next training forward."""
@@ -270,7 +271,7 @@ class _Handle:
         if cached is not None:
             if (sig in self.planning and refresh_due(self.steps, self.sensitivity_interval)
                     and not self.planning[sig].out_of_memory and not self._skips_refresh(sig, cached)):
-                if self.planning[sig].loss_unseen:
+                if self.loss_fn is None and not self.loss_in_output:
                     self.holding = sig  # the refresh waits for this step's output gradient, to the next step
                 else:
                     cached = self._refresh(sig, batch, cached)
@@ -776,7 +777,6 @@ def _make(
     chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
     infos: list[SavedInfo] = []
     probe_scale = scale
-    loss_unseen = loss_fn is None and MEAN_LOSS_BYTES.get() > 0  # the trace took the mean of the outputs
     if lossy:
         peaks: list[tuple[int, int]] = []
         (infos, grad_sq), probe_scale = _fitting(
@@ -801,7 +801,7 @@ def _make(
         new.budget_bytes = budget_bytes
         new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen=loss_unseen)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
@@ -857,7 +857,7 @@ def _make(
             return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, loss_unseen=loss_unseen)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
@@ -1546,6 +1546,7 @@ def wrap(
         try:
             with handle.active.hooks(model, batch):
                 out = handle.in_force(original)(*args, **kwargs)
+            handle.loss_in_output = carries_loss(out)
             if holding is not None and holding == handle.last_sig:  # a refresh waits for this step's output gradient
                 handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, batch, out, plan.predicted_peak_bytes))
             return out
