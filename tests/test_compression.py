@@ -835,6 +835,37 @@ def test_a_refresh_that_runs_out_of_memory_leaves_the_step_and_the_plan(
     assert all(_sq([a - b for a, b in zip(g, ref)]) < 0.1 * _sq(ref) for g in grads)
 
 
+def test_sensitivities_that_fit_on_no_batch_size_leave_value_ranges(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The measurement's second-order backward holds about the step again, and parameter-sized tensors: where it
+    runs out of memory on every size planning tries, the plan is still made, its bits following each tensor's value
+    range (what a plain step holds: no graph of the gradients), with a warning, and it measures no more (an
+    allocation failure is the device's, not reproducible on this CPU: the gradients' graph raises it here)."""
+    real, tried = torch.autograd.grad, []
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("create_graph"):
+            tried.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    model, adapter, batch = small("timm/resnet18", seed=0, batch_size=8)
+    model.train()
+    ref = _grads(model, adapter, batch)
+    zoomem.wrap(model, level="L2", sensitivity_interval=2)
+    handle = model.__dict__["_zoomem"]
+    with monkeypatch.context() as mp, caplog.at_level(logging.INFO, logger="zoomem"):
+        mp.setattr(torch.autograd, "grad", grad)
+        runs = [_grads(model, adapter, batch) for _ in range(4)]  # plans, then steps 1-3 (refreshes were due)
+    assert len(tried) == 2  # the batch, then the smaller of its halves (as tracing falls back)
+    assert "measuring sensitivities ran out of memory on every batch size tried" in caplog.text
+    assert "re-measured" not in caplog.text and handle.held is None
+    (ctx,) = handle.planning.values()
+    assert _plan(model).bits and ctx.out_of_memory and not any(i.measured for i in ctx.infos if i.lossy is None)
+    assert all(_sq([a - b for a, b in zip(g, ref)]) < 0.1 * _sq(ref) for g in runs)
+
+
 def test_output_grad_loss_sends_the_model_the_gradient_its_loss_did() -> None:
     """``sum(output * grad)``: the parameters get the real loss's gradient, bitwise; on a sub-batch's outputs the
     gradient's first rows; outputs of other shapes give ``None`` (the refresh then samples a loss)."""

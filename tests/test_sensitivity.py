@@ -207,3 +207,18 @@ def test_sampled_loss_sends_the_logits_a_training_losss_gradients_and_survives_n
     assert torch.equal(g_features.abs(), torch.full((6,), 1 / 6))
     bad = torch.full((4, 3), float("nan"), requires_grad=True)
     assert sampled_loss(bad).isnan()
+
+
+def test_value_ranges_without_a_second_backward_keep_the_gradient_norm() -> None:
+    """``second_order=False`` (the measurement fit in memory on no batch size): no graph of the gradients, the
+    same saved tensors and ``||g||**2`` as the measurement's, each tensor's C_s its value range's share of it
+    (as if every element's derivative were alike), flagged unmeasured."""
+    model, units, batch, loss_fn = _setup("timm/resnet18", batch_size=4)
+    measured, grad_sq = probe_saved(model, batch, loss_fn, units, generator=torch.Generator().manual_seed(0))
+    ranges, range_grad_sq = probe_saved(model, batch, loss_fn, units, generator=torch.Generator().manual_seed(0),
+                                        second_order=False)
+    assert [i.key for i in ranges] == [i.key for i in measured]
+    assert range_grad_sq == pytest.approx(grad_sq, rel=1e-5)
+    eligible = [i for i in ranges if i.lossy is None]
+    assert eligible and not any(i.measured for i in eligible) and all(i.measured for i in measured if i.lossy is None)
+    assert sum(i.sensitivity > 0 for i in eligible) > len(eligible) // 2  # (a ReLU's all-zero groups have none)

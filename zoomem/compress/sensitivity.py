@@ -74,6 +74,7 @@ def estimate_sensitivity(
     group_size: int = GROUP_SIZE,
     group_sizes: Mapping[str, int] | None = None,
     aliases: Mapping[str, Sequence[torch.Tensor]] | None = None,
+    second_order: bool = True,
 ) -> Sensitivity:
     """C_s for every tensor in ``saved`` (see the module docstring), from ``samples`` Hutchinson probes.
 
@@ -87,6 +88,8 @@ def estimate_sensitivity(
         aliases: key -> other tensor objects saved as views of that tensor's memory, each with its own autograd
             node (the 2-D views of one input that query, key and value projections each save; a tensor saved beside
             a view of it). The stored value is theirs too, so its ``J^T v`` is the sum over them, element by element.
+        second_order: ``False``: no second backward (the measurement did not fit in memory), each tensor's value
+            range stands in (as for a model with an op that has no double backward; ``measured`` False).
 
     Returns:
         key -> C_s (0.0 for tensors the parameter gradient does not depend on), and ``||g||**2``.
@@ -95,6 +98,13 @@ def estimate_sensitivity(
     out = {key: 0.0 for key in saved}
     if not params:  # nothing to train: no gradient for rounding to disturb
         return Sensitivity(out, 0.0)
+    if not second_order:
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grad_sq = sum(_square_norm(g) for g in grads if g is not None)
+        del grads
+        sizes = {key: (group_sizes or {}).get(key, group_size) for key in saved}
+        ranges = {key: _group_range_sq(t, sizes[key]) for key, t in saved.items() if t.grad_fn is not None}
+        return Sensitivity(_range_proxy(saved, ranges, grad_sq, sizes), grad_sq, measured=False)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     grad_sq = sum(_square_norm(g) for g in grads if g is not None)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]

@@ -442,12 +442,14 @@ def probe_saved(
     samples: int = 1,
     generator: torch.Generator | None = None,
     output_grads: Sequence[torch.Tensor | None] | None = None,
+    second_order: bool = True,
 ) -> tuple[list[SavedInfo], float]:
     """The saved tensors of one training step on ``batch`` with their sensitivities, and ``||g||**2``.
 
     The forward runs as the model is set up now (the caller switches implementations on as the plan will). Where
     ``loss_fn`` finds no loss (the mean of the outputs), sensitivities follow ``output_grads`` (what a training step's
     own loss sent the outputs of ``batch``, :func:`~.capture.output_grad_loss`), else :func:`sampled_loss`.
+    ``second_order=False``: value ranges stand in for sensitivities (no second backward: it did not fit in memory).
     """
     t0 = time.perf_counter()
     held, dead_at = liveness(model, batch, units)
@@ -487,7 +489,7 @@ def probe_saved(
             eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
             result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator,
                                           group_sizes={k: store.infos[k].group for k in eligible},
-                                          aliases=_aliases(store))
+                                          aliases=_aliases(store), second_order=second_order)
             for key, c in all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
                 store.infos[key].measured = result.measured

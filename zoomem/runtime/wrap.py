@@ -118,8 +118,8 @@ class _Planning:
     """Where set, refreshes measure sensitivities on two smaller batches and extrapolate them: the measurement at
     the batch ran out of memory, or would peak above the budget (:func:`_refresh_scale`)."""
     out_of_memory: bool = False
-    """A refresh's measurement ran out of memory on every size tried: the plan keeps its bits, refreshed no more
-    (a training step never fails for a refresh)."""
+    """The measurement ran out of memory on every size tried, a refresh's (the plan keeps its bits: a training step
+    never fails for a refresh) or planning's (value ranges stand in): the plan's bits are measured no more."""
 
 
 def plan_key(batch: Batch, training: bool = True,
@@ -777,12 +777,29 @@ def _make(
     chosen_units = frozenset(u for u, pairs in chosen.items() if pairs)
     infos: list[SavedInfo] = []
     probe_scale = scale
+    ranges_only = False
     if lossy:
         peaks: list[tuple[int, int]] = []
-        (infos, grad_sq), probe_scale = _fitting(
-            batch, adapter, scale, "measuring sensitivities",
-            lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen, peaks))
-        if handle is not None:  # a wrapped model refreshes them
+        failed = None
+        try:
+            (infos, grad_sq), probe_scale = _fitting(
+                batch, adapter, scale, "measuring sensitivities",
+                lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen, peaks))
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
+            if not is_out_of_memory(exc):
+                raise
+            failed = exc_text(exc)
+        if failed is not None:  # the second-order backward fits on no size: value ranges, a plain step's memory
+            _release_memory()
+            _log_rank0("zoomem: measuring sensitivities ran out of memory on every batch size tried (%s): the bits "
+                       "follow each tensor's value range instead, and are not measured again", failed,
+                       level=logging.WARNING)
+            ranges_only, peaks = True, []
+            (infos, grad_sq), probe_scale = _fitting(
+                batch, adapter, scale, "measuring value ranges",
+                lambda s: _probe_at(handle, batch, adapter, loss_fn, units, chosen_units, s, model, chosen,
+                                    second_order=False))
+        if handle is not None and not ranges_only:  # a wrapped model refreshes them
             probe_scale = _refresh_scale(
                 batch, adapter, probe_scale, peaks, budget_bytes, baseline, costs.fixed_bytes,
                 lambda n: _probe(handle, adapter.sub_batch(batch, n), adapter, loss_fn, units, chosen_units, model,
@@ -801,7 +818,7 @@ def _make(
         new.budget_bytes = budget_bytes
         new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, out_of_memory=ranges_only)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
@@ -857,7 +874,7 @@ def _make(
             return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, out_of_memory=ranges_only)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
@@ -1031,10 +1048,11 @@ def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
            loss_fn: Callable[[Any, Batch], torch.Tensor] | None, units: list[Unit], chosen_units: frozenset[str],
            model: nn.Module | None = None, chosen: dict[str, list] | None = None,  # type: ignore[type-arg]
            peaks: list[tuple[int, int]] | None = None,
-           output_grads: Sequence[torch.Tensor | None] | None = None) -> tuple[list[SavedInfo], float]:
+           output_grads: Sequence[torch.Tensor | None] | None = None,
+           second_order: bool = True) -> tuple[list[SavedInfo], float]:
     """Enumerate the saved tensors (compact forms on, nothing recomputed) and measure their sensitivities (against
-    ``output_grads`` where the loss is not seen, :func:`probe_saved`); with ``peaks``, add ``(samples, peak bytes
-    above its start)`` to it where nothing else is metering."""
+    ``output_grads`` where the loss is not seen; value ranges without ``second_order``: :func:`probe_saved`); with
+    ``peaks``, add ``(samples, peak bytes above its start)`` to it where nothing else is metering."""
     model = handle.model if handle is not None else model
     assert model is not None
     loss = _loss(adapter, model, loss_fn)
@@ -1045,12 +1063,14 @@ def _probe(handle: "_Handle | None", batch: Batch, adapter: Adapter,
             previous, handle.active = handle.active, _Active({u.name: Decision.KEEP for u in units}, chosen_units)
             previous_busy, handle.busy = handle.busy, True
             try:
-                return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads)
+                return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads,
+                                   second_order=second_order)
             finally:
                 handle.active, handle.busy = previous, previous_busy
         undo = install_all(chosen or {})
         try:
-            return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads)
+            return probe_saved(model, batch, loss, units, generator=generator, output_grads=output_grads,
+                               second_order=second_order)
         finally:
             undo()
 
@@ -1069,14 +1089,16 @@ def _probe_at(handle: "_Handle | None", batch: Batch, adapter: Adapter,
               scale: Scale | None, model: nn.Module | None = None,
               chosen: dict[str, list] | None = None,  # type: ignore[type-arg]
               peaks: list[tuple[int, int]] | None = None,
-              output_grads: Sequence[torch.Tensor | None] | None = None) -> tuple[list[SavedInfo], float]:
+              output_grads: Sequence[torch.Tensor | None] | None = None,
+              second_order: bool = True) -> tuple[list[SavedInfo], float]:
     """:func:`_probe` on ``batch``, or on its two sub-batches of ``scale`` and extrapolated to the batch."""
     if scale is None:
-        return _probe(handle, batch, adapter, loss_fn, units, chosen_units, model, chosen, peaks, output_grads)
+        return _probe(handle, batch, adapter, loss_fn, units, chosen_units, model, chosen, peaks, output_grads,
+                      second_order)
     small, _ = _probe(handle, adapter.sub_batch(batch, scale.small), adapter, loss_fn, units, chosen_units, model,
-                      chosen, peaks, output_grads)
+                      chosen, peaks, output_grads, second_order)
     large, grad_sq = _probe(handle, adapter.sub_batch(batch, scale.large), adapter, loss_fn, units, chosen_units,
-                            model, chosen, peaks, output_grads)
+                            model, chosen, peaks, output_grads, second_order)
     return scale_saved(small, large, grad_sq, scale)
 
 
