@@ -556,7 +556,9 @@ them most (timm's ResNet blocks start with a zero BatchNorm weight, so their ten
 
 
 def refresh_due(step: int, interval: int) -> bool:
-    """Whether adaptive bits are re-measured before training step ``step`` (0 is the one planned)."""
+    """Whether adaptive bits are re-measured before training step ``step`` (0 is the one planned); where the loss
+    lies outside the forward, that step holds its output gradient and the next one measures against it
+    (:class:`~.capture.HeldOutputGrads`)."""
     return interval > 0 and step > 0 and (step in EARLY_REFRESHES or step % interval == 0)
 
 
