@@ -1039,6 +1039,40 @@ def test_data_parallel_ranks_refresh_on_the_same_sub_batches() -> None:
     assert results[0] == results[1]
 
 
+def _rank_gradient_norm(rank: int, port: int, out: "torch.multiprocessing.SimpleQueue") -> None:  # type: ignore[name-defined]
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, adapter, _ = small("pyg/gcn", seed=0, batch_size=2)
+        _, _, batch = small("pyg/gcn", seed=rank + 1, batch_size=2)  # each rank its own graph
+        model.train()
+        loss_fn = lambda out, b: adapter.loss(model, batch, out)  # noqa: E731 - the rank's own targets
+        torch.manual_seed(0)
+        plain = torch.autograd.grad(loss_fn(batch.call(model), batch), list(model.parameters()))
+        averaged = torch.cat([g.reshape(-1) for g in plain]).double()
+        local = float(averaged.square().sum())
+        dist.all_reduce(averaged)
+        averaged /= 2
+        zoomem.wrap(model, level="L2", batch=batch, loss_fn=loss_fn, sensitivity_interval=0)
+        (ctx,) = model.__dict__["_zoomem"].planning.values()
+        out.put((rank, (ctx.costs.grad_sq, 2 * float(averaged.square().sum()), local)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_variances_are_relative_to_the_averaged_gradient() -> None:
+    """A data-parallel step averages the ranks' gradients, each with its own rounding noise: the noise is the
+    ranks' mean over the world size, against the averaged gradient's norm. Plans made the variances relative to
+    the rank's own gradient (up to the world size too noisy on paper where the ranks' gradients agree); the squared
+    norm a plan holds is now the world size times the averaged gradient's, on every rank."""
+    results = _two_ranks(_rank_gradient_norm)
+    for rank, (held, expected, local) in results.items():
+        assert held == pytest.approx(expected, rel=1e-4), (rank, held, expected, local)
+        assert abs(local - expected) > 0.01 * expected, (rank, local, expected)  # (the test can tell them apart)
+
+
 def _rank_disagreeing_fastest(rank: int, port: int, out: "torch.multiprocessing.SimpleQueue") -> None:  # type: ignore[name-defined]
     import sys
 

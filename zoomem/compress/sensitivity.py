@@ -75,6 +75,7 @@ def estimate_sensitivity(
     group_sizes: Mapping[str, int] | None = None,
     aliases: Mapping[str, Sequence[torch.Tensor]] | None = None,
     second_order: bool = True,
+    mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Sensitivity:
     """C_s for every tensor in ``saved`` (see the module docstring), from ``samples`` Hutchinson probes.
 
@@ -90,6 +91,8 @@ def estimate_sensitivity(
             a view of it). The stored value is theirs too, so its ``J^T v`` is the sum over them, element by element.
         second_order: ``False``: no second backward (the measurement did not fit in memory), each tensor's value
             range stands in (as for a model with an op that has no double backward; ``measured`` False).
+        mean_over_ranks: in a data-parallel step, the mean over ranks of one rank's gradient of a parameter (every
+            rank calls it for every parameter, in order): ``||g||**2`` is then that of the gradient the step averages.
 
     Returns:
         key -> C_s (0.0 for tensors the parameter gradient does not depend on), and ``||g||**2``.
@@ -100,13 +103,13 @@ def estimate_sensitivity(
         return Sensitivity(out, 0.0)
     if not second_order:
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        grad_sq = sum(_square_norm(g) for g in grads if g is not None)
+        grad_sq = _grad_sq(params, grads, mean_over_ranks)
         del grads
         sizes = {key: (group_sizes or {}).get(key, group_size) for key in saved}
         ranges = {key: _group_range_sq(t, sizes[key]) for key, t in saved.items() if t.grad_fn is not None}
         return Sensitivity(_range_proxy(saved, ranges, grad_sq, sizes), grad_sq, measured=False)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-    grad_sq = sum(_square_norm(g) for g in grads if g is not None)
+    grad_sq = _grad_sq(params, grads, mean_over_ranks)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None and g.requires_grad]
     by_node: dict[torch.autograd.graph.Node, list[tuple[int, str, _Layout]]] = {}
     reads: dict[str, int] = {}  # key -> how many autograd edges carry its J^T v
@@ -240,6 +243,16 @@ def _square_norm(t: torch.Tensor) -> float:
     """``||t||**2`` in fp64, a million elements at a time (an fp64 copy of an embedding's gradient is twice its
     bytes)."""
     return sum(float(c.double().square().sum()) for c in t.detach().reshape(-1).split(1 << 20))
+
+
+def _grad_sq(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+             mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None) -> float:
+    """``||g||**2`` of the parameters' gradient, or of its mean over ranks (a parameter one rank did not use counts
+    its zeros there, so that every rank takes part in every collective)."""
+    if mean_over_ranks is None:
+        return sum(_square_norm(g) for g in grads if g is not None)
+    return sum(_square_norm(mean_over_ranks(torch.zeros_like(p) if g is None else g.detach()))
+               for p, g in zip(params, grads))
 
 
 def _drop(grad: torch.Tensor) -> torch.Tensor:

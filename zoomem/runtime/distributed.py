@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["world_size", "all_reduce_mean", "from_rank0", "from_rank", "alone", "gather", "same_everywhere",
+__all__ = ["world_size", "all_reduce_mean", "rank_mean", "from_rank0", "from_rank", "alone", "gather", "same_everywhere",
            "bucket_bytes", "ddp_of", "holding"]
 
 T = TypeVar("T")
@@ -66,6 +66,18 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     dist.all_reduce(vec)
     vec /= dist.get_world_size()
     return dict(zip(keys, vec.tolist()))
+
+
+def rank_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of ``t`` (every rank passes its own of one shape), a new tensor on the collectives'
+    device; ``t`` itself in one process."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return t
+    out = t.detach().to(_device(), copy=True)
+    dist.all_reduce(out)
+    return out.div_(dist.get_world_size())
 
 
 def from_rank0(make: Callable[[], T], encode: Callable[[T], str], decode: Callable[[str, T | None], T]) -> T:

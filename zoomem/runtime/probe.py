@@ -31,7 +31,7 @@ from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statisti
 from ..ops.loss import cross_entropy, sensitivity_pass
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
 from .capture import output_grad_loss
-from .distributed import all_reduce_mean
+from .distributed import all_reduce_mean, rank_mean, world_size
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
 
@@ -489,11 +489,14 @@ def probe_saved(
             eligible = {k: t for k, t in store.tensors.items() if store.infos[k].lossy is None}
             result = estimate_sensitivity(loss, params, eligible, samples=samples, generator=generator,
                                           group_sizes={k: store.infos[k].group for k in eligible},
-                                          aliases=_aliases(store), second_order=second_order)
+                                          aliases=_aliases(store), second_order=second_order,
+                                          mean_over_ranks=rank_mean if world_size() > 1 else None)
             for key, c in all_reduce_mean(result.per_tensor).items():
                 store.infos[key].sensitivity = c
                 store.infos[key].measured = result.measured
-            grad_sq = result.grad_sq
+            # data-parallel: the step averages the ranks' gradients, each with its own rounding noise, so the noise
+            # is the ranks' mean over the world size, against the averaged gradient's norm
+            grad_sq = result.grad_sq * world_size()
             floor_sensitivities(list(store.infos.values()))
         del out, loss
     infos = list(store.infos.values())
