@@ -866,6 +866,29 @@ def test_sensitivities_that_fit_on_no_batch_size_leave_value_ranges(
     assert all(_sq([a - b for a, b in zip(g, ref)]) < 0.1 * _sq(ref) for g in runs)
 
 
+def test_a_held_refresh_waits_for_the_backward_of_a_step_that_runs_the_model_twice(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A contrastive step runs the model on two views, then one backward: the refresh due at the first forward
+    waits through the second for that backward (up to ``HOLD_FORWARDS`` forwards), then measures against the
+    gradient the step's loss sent the first view's outputs."""
+    model, adapter, batch = small("timm/resnet18", seed=0, batch_size=4)
+    model.train()
+    zoomem.wrap(model, level="L2", sensitivity_interval=200)
+    handle = model.__dict__["_zoomem"]
+    _grads(model, adapter, batch)  # plans (step 0)
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        first = batch.call(model)  # step 1: the refresh due holds its outputs
+        second = batch.call(model)  # step 2: no backward yet, the refresh waits
+        assert "re-measured" not in caplog.text and handle.held is not None
+        (adapter.loss(model, batch, first) + adapter.loss(model, batch, second)).backward()
+        model.zero_grad(set_to_none=True)
+        batch.call(model)  # step 3
+    assert "re-measured at step 3 against the gradient step 1's loss sent the outputs" in caplog.text
+    assert handle.held is None
+
+
 def test_output_grad_loss_sends_the_model_the_gradient_its_loss_did() -> None:
     """``sum(output * grad)``: the parameters get the real loss's gradient, bitwise; on a sub-batch's outputs the
     gradient's first rows; outputs of other shapes give ``None`` (the refresh then samples a loss)."""
@@ -903,6 +926,7 @@ def test_a_held_output_gradient_that_cannot_be_used_leaves_the_sampled_loss(
 
     if case == "large":
         monkeypatch.setattr(capture, "OUTPUT_GRAD_SHARE", 0.0)
+    monkeypatch.setattr(capture, "HOLD_FORWARDS", 0)  # (no waiting for a backward of a later step's)
     model, adapter, batch = small("timm/resnet18", seed=0, batch_size=4)
     model.train()
     zoomem.wrap(model, level="L2", sensitivity_interval=200)

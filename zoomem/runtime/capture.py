@@ -18,7 +18,11 @@ from torch.utils import _pytree as pytree
 
 from ..batch import Batch
 
-__all__ = ["OUTPUT_GRAD_SHARE", "HeldOutputGrads", "carries_loss", "output_leaves", "output_grad_loss"]
+__all__ = ["HOLD_FORWARDS", "OUTPUT_GRAD_SHARE", "HeldOutputGrads", "carries_loss", "output_leaves", "output_grad_loss"]
+
+HOLD_FORWARDS = 4
+"""Training forwards a held step waits for its backward (models run twice or more before one backward: two views
+of a contrastive step, multi-crop) before its refresh falls back to the sampled loss."""
 
 OUTPUT_GRAD_SHARE = 0.02
 """The largest share of a plan's predicted peak the outputs may take for their gradient to be held (from the
@@ -96,6 +100,11 @@ class HeldOutputGrads:
         if self.grads[i] is not None:  # a second backward through the same outputs (retain_graph): their sum
             grad = self.grads[i] + grad  # type: ignore[operator]
         self.grads[i], self.grad_versions[i] = grad, grad._version
+
+    def waits(self, step: int) -> bool:
+        """Whether a refresh due before training step ``step`` waits on: no backward has reached the outputs yet,
+        and ``step`` is at most the :data:`HOLD_FORWARDS`-th forward after the held one."""
+        return self.declined is None and all(g is None for g in self.grads) and step - self.step <= HOLD_FORWARDS
 
     def unusable(self) -> str | None:
         """Why the held gradient cannot be measured against (``None``: it can)."""

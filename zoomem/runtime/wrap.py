@@ -259,9 +259,9 @@ class _Handle:
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,)
         self.last_sig, self.runs_smaller = sig, sig in self.reused
-        if self.held is not None:  # a refresh held the last step's output gradient: it runs now, on that step's batch
-            (held_sig, held), self.held = self.held, None  # (every rank: all held at the same step)
-            if held_sig in self.planning and held_sig in self.plans:
+        if self.held is not None and not self._held_waits():  # a refresh held a step's output gradient: it runs
+            (held_sig, held), self.held = self.held, None       # now, on that step's batch (every rank: all held
+            if held_sig in self.planning and held_sig in self.plans:  # at the same step)
                 self._refresh(held_sig, held.batch, self.plans[held_sig], held)
         if self.lossy and world_size() > 1 and not same_everywhere(repr(sig)):  # (no repr per step in one process)
             return self._shared_plan(sig, batch)
@@ -309,6 +309,13 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def _held_waits(self) -> bool:
+        """Whether the held step's refresh waits for its backward (:meth:`HeldOutputGrads.waits`), decided alike on
+        every rank (one collective while it waits: the refresh's own collectives follow)."""
+        assert self.held is not None
+        waits = self.held[1].waits(self.steps)
+        return (same_everywhere(repr(waits)) and waits) if world_size() > 1 else waits
 
     def _skips_refresh(self, sig: tuple, plan: Plan) -> bool:  # type: ignore[type-arg]
         """Whether a refresh of ``plan`` is skipped (:func:`_at_fastest`). Under DDP the plan is rank 0's but each
