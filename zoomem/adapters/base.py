@@ -31,17 +31,26 @@ class Unit:
         return type(self.module).__name__
 
 
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model's output holds (``output.loss`` or ``output["loss"]``, as HF models given ``labels`` return
+    it), else ``None``."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    return None
+
+
 def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     """A loss for planning when the zoo gives none.
 
     Uses ``output.loss`` when the model computed one; cross-entropy against integer targets; otherwise the
     mean of every floating output tensor, so that every output takes part in backward.
     """
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
+    loss = output_loss(output)
+    if loss is not None:
         return loss
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
     logits = output
     if not isinstance(logits, torch.Tensor):
         logits = getattr(output, "logits", None)

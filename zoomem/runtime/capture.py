@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..batch import Batch
 
-__all__ = ["HOLD_FORWARDS", "OUTPUT_GRAD_SHARE", "HeldOutputGrads", "carries_loss", "output_leaves", "output_grad_loss"]
+__all__ = ["HOLD_FORWARDS", "OUTPUT_GRAD_SHARE", "HeldOutputGrads", "output_leaves", "output_grad_loss"]
 
 HOLD_FORWARDS = 4
 """Training forwards a held step waits for its backward (models run twice or more before one backward: two views
@@ -28,13 +28,6 @@ OUTPUT_GRAD_SHARE = 0.02
 """The largest share of a plan's predicted peak the outputs may take for their gradient to be held (from the
 step's backward to the refresh, on top of what the plan predicts); larger outputs (an LM's logits) keep the
 sampled loss."""
-
-
-def carries_loss(output: Any) -> bool:
-    """Whether a model's output holds its loss (``loss``, as HF models given ``labels`` return it), which the
-    adapters' losses then take (:func:`~zoomem.adapters.base.default_loss`)."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    return isinstance(loss, torch.Tensor)
 
 
 def output_leaves(output: Any) -> list[torch.Tensor]:

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..adapters import Unit
 from ..adapters.base import MEAN_LOSS_BYTES, default_loss
@@ -30,7 +29,7 @@ from ..ops.attention import differentiable_attention
 from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
 from ..ops.loss import cross_entropy, sensitivity_pass
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
-from .capture import output_grad_loss
+from .capture import output_grad_loss, output_leaves
 from .distributed import all_reduce_mean, rank_mean, world_size
 from .storage import SavedTensorStore, _anchor, _tensors
 from .units import restore_buffers
@@ -415,9 +414,7 @@ def sampled_loss(output: Any, generator: torch.Generator | None = None) -> torch
     if logits is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         logits = output[0]
     total: torch.Tensor | None = None
-    for t in pytree.tree_leaves(output):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad):
-            continue
+    for t in output_leaves(output):
         x = t.float()
         probs = torch.softmax(x.detach().reshape(-1, x.shape[-1]), -1) if t is logits and x.dim() >= 2 \
             and x.shape[-1] > 1 else None

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters import Adapter, Unit, get_adapter
-from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning
+from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning, output_loss
 from ..batch import Batch, no_larger, signature_numel
 from ..graph import OpGraph, trace
 from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_excess, measure_timeline,
@@ -45,7 +45,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import set_forward
-from .capture import HeldOutputGrads, carries_loss
+from .capture import HeldOutputGrads
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
@@ -1577,7 +1577,7 @@ def wrap(
         try:
             with handle.active.hooks(model, batch):
                 out = handle.in_force(original)(*args, **kwargs)
-            handle.loss_in_output = carries_loss(out)
+            handle.loss_in_output = output_loss(out) is not None
             if holding is not None and holding == handle.last_sig:  # a refresh waits for this step's output gradient
                 handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, batch, out, plan.predicted_peak_bytes))
             return out
