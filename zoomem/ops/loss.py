@@ -425,9 +425,12 @@ def _head_ran(module: nn.Module, args: tuple, output: Any) -> None:
     if isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and output.requires_grad:
         _HEAD_IO[module] = (weakref.ref(output), weakref.ref(args[0]), output._version, None)
     window = _WINDOWS.get(module)
-    if window is not None and not window.open:  # the loss comes after the head: route from here on
-        window.mode.__enter__()
-        window.open = True
+    if window is not None:
+        if args and isinstance(args[0], torch.Tensor):
+            window.head_input = args[0]
+        if not window.open:  # the loss comes after the head: route from here on
+            window.mode.__enter__()
+            window.open = True
 
 
 class _Window:
@@ -438,8 +441,13 @@ class _Window:
         self.mode = route_cross_entropy(head, skip_logits)
         self.open = False
         self.deferred: list[weakref.ref] = []  # type: ignore[type-arg]  (the head outputs it stood in for)
+        # the head's input, held to the forward's end: the fused loss needs it, and where the head's Linear stores
+        # it lossily (a compression level) nothing else may (BertForMaskedLM's head reassigns its variable); the
+        # plan's forward, recording, held it, so its loss was fused and a training forward's must be too
+        self.head_input: torch.Tensor | None = None
 
     def close(self) -> None:
+        self.head_input = None
         if not self.open:
             return
         self.open = False
