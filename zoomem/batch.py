@@ -68,6 +68,18 @@ class Batch:
         args, kwargs, target = pytree.tree_map(move, (self.args, self.kwargs, self.target))
         return Batch(tuple(args), dict(kwargs), target)
 
+    def detached(self) -> "Batch":
+        """This batch cut from the autograd graph that made it: each tensor that requires grad becomes a detached
+        alias of it (same memory and version counter) that requires grad; ``self`` where none does. Planning's
+        passes on it differentiate to the inputs as the step does, never into the caller's graph (a GAN's
+        generator, an encoder outside the wrapped model, whose saved tensors they would free) nor into a leaf
+        input's ``.grad`` (adversarial training's input gradient)."""
+        if not any(t.requires_grad for t in self.tensors()):
+            return self
+        cut = lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa: E731
+        args, kwargs, target = pytree.tree_map(cut, (self.args, self.kwargs, self.target))
+        return Batch(tuple(args), dict(kwargs), target)
+
     def batch_size(self) -> int | None:
         """The size of the batch dimension: dim 0 of the first input tensor (``None`` when there is none)."""
         first = next((t for t in pytree.tree_leaves((self.args, self.kwargs))

@@ -1403,7 +1403,7 @@ def plan(
     options, lvl = _check_compression(budget, compress, level, strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
-    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
+    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch).detached()
     handle: _Handle | None = model.__dict__.get(_ATTR)
     native = _native_checkpointing_off(model, adapter, "zoomem.plan", "it is on again when the plan returns")
     try:
@@ -1570,7 +1570,8 @@ def wrap(
 
     def planned(*args: Any, **kwargs: Any) -> Any:
         batch = Batch(tuple(args), dict(kwargs))
-        plan = handle.plan_for(batch)
+        cut = batch.detached()  # what planning, refreshes and variants run on (never the caller's graph)
+        plan = handle.plan_for(cut)
         holding, handle.holding = handle.holding, None
         handle.active = handle.active_for(plan, smaller=handle.runs_smaller)
         handle.steps += 1
@@ -1579,12 +1580,12 @@ def wrap(
                 out = handle.in_force(original)(*args, **kwargs)
             handle.loss_in_output = output_loss(out) is not None
             if holding is not None and holding == handle.last_sig:  # a refresh waits for this step's output gradient
-                handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, batch, out, plan.predicted_peak_bytes))
+                handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, cut, out, plan.predicted_peak_bytes))
             return out
         finally:
             store, sig = handle.active.store, handle.last_sig
             if store is not None and store.diverged is not None and sig is not None:
-                handle.left_its_saves(sig, batch)
+                handle.left_its_saves(sig, cut)
             handle.active.forward_done()
             handle.active = None
 
@@ -1613,7 +1614,8 @@ def wrap(
         handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
         try:
-            handle.plan_for(Batch.of(batch), grads_held=False)  # a first micro-batch; later ones plan as they come
+            handle.plan_for(Batch.of(batch).detached(), grads_held=False)  # a first micro-batch; later ones plan
+            # as they come
         except BaseException:
             unwrap(model)  # a failed wrap leaves the model as it was
             raise
