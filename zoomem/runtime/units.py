@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import _CachedTorchDispatchMode  # (the recompute mode: see _kept_for)
 
 from ..adapters import Unit
 from ..batch import Batch
@@ -66,12 +67,23 @@ def _context_fn(
         def recompute() -> Iterator[None]:
             # the plan in force outside selective checkpointing's mode, whose recomputation admits no op it did not
             # see in forward (a meter's mark: measure_recompute_rises)
-            with restore_buffers(module), (replay() if replay else contextlib.nullcontext()), rec:
+            with restore_buffers(module), (replay() if replay else contextlib.nullcontext()), _kept_for(rec):
                 yield
 
         return fwd, _Reenterable(recompute)
 
     return make
+
+
+def _kept_for(rec: Any) -> Any:
+    """Selective checkpointing's recompute mode, or, in a backward that keeps the graph (``retain_graph=True``,
+    ``create_graph=True``: a gradient penalty), the same mode over a copy of its cache: the mode marks each cached
+    output used, so a second backward through the unit raised ("backward an extra time") where plain PyTorch
+    runs it. The cache then lives as long as the graph, as every saved tensor of a kept graph does."""
+    if not isinstance(rec, _CachedTorchDispatchMode) or not torch._C._autograd._get_current_graph_task_keep_graph():
+        return rec
+    copy = {key: dict(entries) for key, entries in rec.storage.items()}
+    return type(rec)(None, copy, rec.allow_cache_entry_mutation)
 
 
 class _Reenterable:
