@@ -142,11 +142,15 @@ def set_attribute(module: nn.Module, name: str, value: Any) -> Callable[[], None
     """``setattr(module, name, value)`` (through a property setter if the class has one); returns the undo, which
     puts the instance's ``__dict__`` entries back exactly as they were (HF's ``loss_function`` setter stores into
     ``_loss_function``, whose absence means "the loss of ``config.loss_type``")."""
+    from ..runtime.patch import record_patch  # (here: zoomem.runtime imports this module)
+
     before = dict(module.__dict__)
     setattr(module, name, value)
     changed = [k for k, v in module.__dict__.items() if k not in before or before[k] is not v]
+    forget = record_patch(module, {k: (k in before, before.get(k)) for k in changed})
 
     def undo() -> None:
+        forget()
         if getattr(module, name, None) is not value:  # replaced again since: keep that (zoomem's passes through)
             warnings.warn(f"zoomem: the {name} of this {type(module).__name__} was replaced after zoomem's; it is "
                           "left in place.", stacklevel=2)

@@ -1,22 +1,84 @@
-"""Instance-level forward replacement, the one way zoomem changes a module (never its class)."""
+"""Instance-level forward replacement, the one way zoomem changes a module (never its class).
+
+Every such change is recorded per module (:func:`record_patch`), so that a wrapped model copies and pickles as the
+model it was before zoomem's changes: ``copy.deepcopy(model)`` (timm's ``ModelEmaV3``, a best-checkpoint snapshot)
+and ``torch.save(model)`` go through ``__getstate__``, which zoomem sets on each changed module to return its
+state without them (:func:`plain_state`). Without it the copy's forward was the original's closure: it ran the
+original's weights and sent its gradients there, and pickling failed on the closures.
+"""
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 from torch import nn
 
-__all__ = ["set_forward"]
+__all__ = ["plain_state", "record_patch", "set_forward"]
+
+PRIVATE_KEYS = frozenset({"__getstate__", "_zoomem"})
+"""Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below and the wrap's handle."""
+
+_PATCHES: "weakref.WeakKeyDictionary[nn.Module, list[dict[str, tuple[bool, Any]]]]" = weakref.WeakKeyDictionary()
+"""Module -> its changes in order, each ``{key: (present before, value before)}`` of the ``__dict__`` keys it set."""
+
+
+def record_patch(module: nn.Module, before: dict[str, tuple[bool, Any]]) -> Callable[[], None]:
+    """Note that zoomem set ``module.__dict__``'s keys of ``before`` (what was there before: present, value); return
+    what forgets it (call it when the change is undone)."""
+    patches = _PATCHES.setdefault(module, [])
+    patches.append(before)
+    if "__getstate__" not in module.__dict__:
+        ref = weakref.ref(module)
+        module.__dict__["__getstate__"] = lambda: plain_state(ref())  # (weak: no cycle through the module)
+
+    def forget() -> None:
+        if before in patches:
+            patches.remove(before)
+        if not patches:
+            _PATCHES.pop(module, None)
+            module.__dict__.pop("__getstate__", None)
+
+    return forget
+
+
+def plain_state(module: nn.Module | None) -> dict[str, Any]:
+    """``module``'s pickling state (``nn.Module.__getstate__``'s) as it was before zoomem changed it: every recorded
+    change taken back, newest first, zoomem's own attributes and forward hooks left out."""
+    if module is None:
+        return {}
+    state = module.__dict__.copy()
+    state.pop("_compiled_call_impl", None)
+    for before in reversed(_PATCHES.get(module, [])):
+        for key, (present, value) in before.items():
+            if present:
+                state[key] = value
+            else:
+                state.pop(key, None)
+    for key in PRIVATE_KEYS:
+        state.pop(key, None)
+    for key in ("_forward_hooks", "_forward_pre_hooks"):  # (the LM head's loss routing: zoomem.ops.loss)
+        hooks = state.get(key)
+        if hooks and any(_ours(h) for h in hooks.values()):
+            state[key] = OrderedDict((k, h) for k, h in hooks.items() if not _ours(h))
+    return state
+
+
+def _ours(fn: Any) -> bool:
+    return (getattr(fn, "__module__", None) or "").startswith("zoomem.")
 
 
 def set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
     """Make ``forward`` the instance's forward; return the undo, which restores what was there before."""
     had_own = "forward" in module.__dict__
     old = module.__dict__.get("forward")
+    forget = record_patch(module, {"forward": (had_own, old)})
     module.__dict__["forward"] = forward
 
     def undo() -> None:
+        forget()
         if module.__dict__.get("forward") is not forward:  # wrapped again on top (accelerator.prepare): keep that
             warnings.warn(f"zoomem: the forward of this {type(module).__name__} was replaced after zoomem's (by "
                           "accelerator.prepare, say); it is left in place and zoomem's beneath it passes "
