@@ -1455,3 +1455,46 @@ def test_a_backward_that_keeps_the_graph_runs_through_recomputed_units_again(mod
     want, got = grads(reference), grads(model)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     zoomem.unwrap(model)
+
+
+@pytest.mark.parametrize("model_id", ["timm/resnet18", "hf/gpt2"])
+def test_a_copy_or_a_pickle_of_a_wrapped_model_is_the_plain_model(model_id: str) -> None:
+    """``copy.deepcopy`` of a wrapped model (timm's ``ModelEmaV3``, a best-checkpoint snapshot) copied zoomem's
+    instance forwards, closures over the original: the copy ran the original's weights (an EMA evaluated the live
+    model) and sent its gradients there; ``torch.save(model)`` failed on the closures. Both now give the model as it
+    was before zoomem changed it (each changed module's ``__getstate__``), while the original stays wrapped."""
+    import pickle
+
+    model, adapter, batch = zoo.small(model_id)
+    plain = copy.deepcopy(model)
+    zoomem.wrap(model, level="L2", adapter=adapter)  # compact forms on; GPT-2: the LM head's loss routing
+    adapter.loss(model, batch, batch.call(model)).backward()  # plans
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        adapter.loss(m, batch, batch.call(m)).backward()
+        return [p.grad for p in m.parameters()]
+
+    want = step(plain)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not zoomem.is_wrapped(twin)
+        assert not any("__getstate__" in m.__dict__ or "forward" in m.__dict__ for m in twin.modules())
+        model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(step(twin), want))
+        assert all(p.grad is None for p in model.parameters())  # the copy's gradients are its own
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        twin.eval()
+        model.eval()
+        with torch.no_grad():  # its own weights
+            assert not torch.equal(_logits(batch.call(twin)), _logits(batch.call(model)))
+        model.train()
+    assert zoomem.is_wrapped(model) and len(step(model)) == len(want)
+    zoomem.unwrap(model)
+    assert not any("__getstate__" in m.__dict__ for m in model.modules())
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
