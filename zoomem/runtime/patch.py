@@ -18,27 +18,29 @@ from torch import nn
 
 __all__ = ["plain_state", "record_patch", "set_forward"]
 
-PRIVATE_KEYS = frozenset({"__getstate__", "_zoomem"})
-"""Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below and the wrap's handle."""
+_PATCHES = "_zoomem_patches"
+"""The instance attribute holding a module's changes in order, each ``{key: (present before, value before)}`` of the
+``__dict__`` keys it set (on the module itself: a global table holding a previous forward bound to its module
+would keep a model that was dropped wrapped alive)."""
 
-_PATCHES: "weakref.WeakKeyDictionary[nn.Module, list[dict[str, tuple[bool, Any]]]]" = weakref.WeakKeyDictionary()
-"""Module -> its changes in order, each ``{key: (present before, value before)}`` of the ``__dict__`` keys it set."""
+PRIVATE_KEYS = frozenset({"__getstate__", "_zoomem", _PATCHES})
+"""Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below, the wrap's handle and the
+changes' record."""
 
 
 def record_patch(module: nn.Module, before: dict[str, tuple[bool, Any]]) -> Callable[[], None]:
     """Note that zoomem set ``module.__dict__``'s keys of ``before`` (what was there before: present, value); return
     what forgets it (call it when the change is undone)."""
-    patches = _PATCHES.setdefault(module, [])
+    patches = module.__dict__.setdefault(_PATCHES, [])
     patches.append(before)
     if "__getstate__" not in module.__dict__:
         ref = weakref.ref(module)
-        module.__dict__["__getstate__"] = lambda: plain_state(ref())  # (weak: no cycle through the module)
+        module.__dict__["__getstate__"] = lambda: plain_state(ref())
 
     def forget() -> None:
-        if before in patches:
-            patches.remove(before)
-        if not patches:
-            _PATCHES.pop(module, None)
+        patches[:] = [p for p in patches if p is not before]
+        if not patches and module.__dict__.get(_PATCHES) is patches:
+            del module.__dict__[_PATCHES]
             module.__dict__.pop("__getstate__", None)
 
     return forget
@@ -51,7 +53,7 @@ def plain_state(module: nn.Module | None) -> dict[str, Any]:
         return {}
     state = module.__dict__.copy()
     state.pop("_compiled_call_impl", None)
-    for before in reversed(_PATCHES.get(module, [])):
+    for before in reversed(module.__dict__.get(_PATCHES, [])):
         for key, (present, value) in before.items():
             if present:
                 state[key] = value
