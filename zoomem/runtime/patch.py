@@ -16,14 +16,17 @@ from typing import Any, Callable
 
 from torch import nn
 
-__all__ = ["plain_state", "record_patch", "set_forward"]
+__all__ = ["HANDLE", "plain_state", "record_patch", "set_forward"]
+
+HANDLE = "_zoomem"
+"""The instance attribute of a wrapped model that holds its wrap (``zoomem.runtime.wrap``'s handle)."""
 
 _PATCHES = "_zoomem_patches"
 """The instance attribute holding a module's changes in order, each ``{key: (present before, value before)}`` of the
 ``__dict__`` keys it set (on the module itself: a global table holding a previous forward bound to its module
 would keep a model that was dropped wrapped alive)."""
 
-PRIVATE_KEYS = frozenset({"__getstate__", "_zoomem", _PATCHES})
+PRIVATE_KEYS = frozenset({"__getstate__", HANDLE, _PATCHES})
 """Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below, the wrap's handle and the
 changes' record."""
 

@@ -44,7 +44,7 @@ from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
-from .patch import set_forward
+from .patch import HANDLE, set_forward
 from .capture import HeldOutputGrads
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
@@ -54,7 +54,7 @@ from .units import measure_recompute_backward, measure_recompute_rises, restore_
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
 
 logger = logging.getLogger(__name__)
-_ATTR = "_zoomem"
+_ATTR = HANDLE
 _MIB = 1024**2
 
 
@@ -1292,7 +1292,7 @@ def plan_points(model: nn.Module, candidate: Plan, costs: CostModel, batch: Batc
     step's hooks see, so it runs inside the stretch before it (the code after it, else the next unit's backward or
     the head's). Such a point's prediction is folded into that stretch's, as the larger of the two, so every
     measured figure is compared with what was predicted for it."""
-    handle: _Handle = model.__dict__["_zoomem"]
+    handle: _Handle = model.__dict__[_ATTR]
     active = _Active.of(candidate)
     predicted = [float(v) for v in costs.point_bytes(active.decisions, active.compact, candidate.bits)]
     with handle.planning_scope():
