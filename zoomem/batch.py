@@ -76,7 +76,9 @@ class Batch:
         input's ``.grad`` (adversarial training's input gradient)."""
         if not any(t.requires_grad for t in self.tensors()):
             return self
-        cut = lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa: E731
+        def cut(t: Any) -> Any:
+            return t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t
+
         args, kwargs, target = pytree.tree_map(cut, (self.args, self.kwargs, self.target))
         return Batch(tuple(args), dict(kwargs), target)
 

@@ -827,7 +827,8 @@ def _make(
         new.budget_bytes = budget_bytes
         new.traced_at = scale.sizes() if scale is not None else []
         if lossy:
-            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, out_of_memory=ranges_only)
+            new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale,
+                                                out_of_memory=ranges_only)
         return new
     verified = handle is not None and budget_bytes is not None and strategy in ("ilp", "greedy")
 
@@ -883,7 +884,8 @@ def _make(
             return lossless_instead(measured_minimum(err))
         margin, unmet = 0.0, err
     if compress is not None:
-        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale, out_of_memory=ranges_only)
+        new.extras["_planning"] = _Planning(costs, budget_bytes, chosen_units, infos, probe_scale,
+                                            out_of_memory=ranges_only)
     traced_at = new.traced_at = scale.sizes() if scale is not None else []
     if not verified:
         return new
@@ -1614,8 +1616,8 @@ def wrap(
         handle.undo.append(set_forward(unit.module, _unit_forward(handle, unit)))
     if batch is not None:
         try:
-            handle.plan_for(Batch.of(batch).detached(), grads_held=False)  # a first micro-batch; later ones plan
-            # as they come
+            # a first micro-batch; later ones plan as they come
+            handle.plan_for(Batch.of(batch).detached(), grads_held=False)
         except BaseException:
             unwrap(model)  # a failed wrap leaves the model as it was
             raise
