@@ -1000,6 +1000,100 @@ def test_gcn_layers_on_different_graphs_share_nothing() -> None:
     assert mp._LIVE == [] and torch.equal(out, stock)
 
 
+def _multigraph(n: int, edges: int, loops: bool, repeats: bool) -> torch.Tensor:
+    """A random ``[2, E]`` edge list on ``n`` nodes with self-loops and repeated edges where asked, in no order."""
+    e = torch.randint(0, n, (2, edges))
+    e = torch.unique(e[:, e[0] != e[1]], dim=1)
+    parts = [e]
+    if repeats:
+        parts.append(e[:, : edges // 5])  # a fifth of the edges twice, some three times
+        parts.append(e[:, : edges // 20])
+    if loops:
+        parts.append(torch.arange(0, n, 3).repeat(2, 1))
+        if repeats:
+            parts.append(torch.arange(0, n, 6).repeat(2, 1))
+    e = torch.cat(parts, 1)
+    return e[:, torch.randperm(e.size(1))]
+
+
+@pytest.mark.parametrize("case, through_csr", [
+    ("gcn", (True, True)), ("gcn_no_loops_added", (True, True)), ("gin", (True, True)), ("graph_conv", (True, True)),
+    ("sage_sum", (True, True)), ("sage_max", (True, True)), ("sage_mean", (True, False)),
+    ("gcn_improved", (False, False)), ("sg", (False, False)),
+])
+def test_message_passing_spmm_on_graphs_with_self_loops_and_repeated_edges(
+        case: str, through_csr: tuple[bool, bool]) -> None:
+    """Graphs with self-loops (loops only; loops and repeated edges): the CSR path is taken where it computes what
+    the conv's edge list does (GCN drops the loops its normalisation replaces, a repeated edge is an entry weighted
+    by its count for a sum, one entry for a max; a mean of repeats, GCN's ``improved`` and classes whose paths are
+    not known fall back to the edge list); output and gradients within float rounding of the edge list's."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric import nn as pnn
+
+    from zoomem.ops import message_passing as mp
+
+    mp.register_message_passing_impl()
+    make = {
+        "gcn": lambda: pnn.GCNConv(8, 4), "gcn_no_loops_added": lambda: pnn.GCNConv(8, 4, add_self_loops=False),
+        "gin": lambda: pnn.GINConv(nn.Linear(8, 4)), "graph_conv": lambda: pnn.GraphConv(8, 4),
+        "sage_sum": lambda: pnn.SAGEConv(8, 4, aggr="sum"), "sage_max": lambda: pnn.SAGEConv(8, 4, aggr="max"),
+        "sage_mean": lambda: pnn.SAGEConv(8, 4), "gcn_improved": lambda: pnn.GCNConv(8, 4, improved=True),
+        "sg": lambda: pnn.SGConv(8, 4, K=2),
+    }[case]
+    torch.manual_seed(0)
+    n, x0 = 300, torch.randn(300, 8)
+    for repeats, csr in zip((False, True), through_csr):
+        edge_index = _multigraph(n, 2000, loops=True, repeats=repeats)
+        results = []
+        for compact in (False, True):
+            torch.manual_seed(1)
+            conv = make()
+            assert (mp._adjacency_edges(conv, edge_index, n) is not None) is csr
+            if compact:
+                install_impl(conv, "message_passing_spmm")
+            x = x0.clone().requires_grad_()
+            out = conv(x, edge_index)
+            results.append([out, *torch.autograd.grad(out.square().sum(), [x, *conv.parameters()])])
+        for stock, ours in zip(*results):
+            assert (ours - stock).abs().max() <= 1e-5 * stock.abs().max(), (case, repeats)
+
+
+def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog: pytest.LogCaptureFixture) -> None:
+    """``message_passing_spmm`` covers every PyG conv with its own ``message_and_aggregate``; checked on the
+    planning batch, it is left off the ones that compute otherwise through it (GCN with ``improved=True``, whose
+    edge list in PyG 2.8 gives its self-loops weight 1 and its CSR path 2) or fail on it (ARMA, MF), with the reason
+    logged; a plain GCN keeps it. Before the check, a wrapped model of the first ran with gradients 20% off."""
+    import logging
+
+    pytest.importorskip("torch_geometric")
+    from torch_geometric import nn as pnn
+
+    import zoomem
+    from zoomem.runtime.compact import choose_impls
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.ModuleList([pnn.GCNConv(8, 16, improved=True), pnn.ARMAConv(16, 16), pnn.MFConv(16, 16),
+                                        pnn.GCNConv(16, 4)])
+
+        def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+            for conv in self.convs:
+                x = conv(x, edge_index).relu()
+            return x
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(300, 8)
+    batch = zoomem.Batch(args=(x, _multigraph(300, 2000, loops=False, repeats=False)))
+    adapter = zoomem.get_adapter(model)
+    with caplog.at_level(logging.INFO, logger="zoomem"):
+        chosen = choose_impls(model, adapter.units(model), batch)
+    assert {u for u, pairs in chosen.items() for _, i in pairs if i.name == "message_passing_spmm"} == {"convs.3"}
+    left = sorted(r.getMessage().split(" (")[0] for r in caplog.records if "left off" in r.getMessage())
+    assert left == [f"zoomem: message_passing_spmm left off convs.{i}" for i in range(3)]
+    assert "largest magnitude off" in caplog.text and "raised RuntimeError" in caplog.text and "NotImplementedError" in caplog.text
+
+
 def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
     """``conv`` on the CSR adjacency zoomem builds, through PyG's own code (the stock sparse product)."""
     from torch_geometric.utils import to_torch_csr_tensor

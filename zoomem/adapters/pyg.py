@@ -160,7 +160,7 @@ class PyGAdapter(Adapter):
                 ``torch_geometric.nn.models`` GNNs and the conv layers have.
             batch_size: scales the default graph: ``num_nodes = 1000 * batch_size``.
             num_nodes: nodes of the graph (overrides the default).
-            num_edges: directed edges, drawn uniformly at random (duplicates and self-loops possible);
+            num_edges: distinct directed edges without self-loops, drawn uniformly at random;
                 default ``10 * num_nodes``.
 
         Returns:

@@ -16,12 +16,13 @@ hooks of the module are untouched (the hooks run around the wrapper as around th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ __all__ = [
     "find_inplace_writers",
     "scan_outputs",
     "OutputUses",
+    "check_impls",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,10 @@ class Impl:
         may_be_faster: it can run faster than the stock op (PyG's SpMM, the fused LM-head loss): a time credit
             measured for it is taken. The others do the stock work and more (a mask packed, a BatchNorm output
             rebuilt), so a credit measured for them is the noise of one timed step and counts as zero.
+        checked: before it becomes a candidate on a module, its output is compared with the module's own forward's
+            on the planning batch (:func:`check_impls`): for an implementation that covers a family of classes
+            whose members may compute otherwise through it (PyG convs each implement ``message_and_aggregate`` in
+            their own way, and some differ from, or fail on, the adjacency the implementation gives them).
     """
 
     name: str
@@ -92,6 +98,7 @@ class Impl:
     attribute: str = "forward"
     setup: Callable[[nn.Module], Callable[[], None]] | None = None
     may_be_faster: bool = False
+    checked: bool = False
 
     @property
     def wraps(self) -> bool:
@@ -696,24 +703,114 @@ def scan_outputs(model: nn.Module, *args: Any, **kwargs: Any) -> OutputUses:
     for mod in names:
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    was_training = model.training
     try:
-        model.train()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _probing(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(*args, **kwargs)
         scan("<code>")
     finally:
         for h in handles:
             h.remove()
+    return OutputUses({k: v for k, v in writers.items() if v},
+                      frozenset(name for name, t in tracked if t.untyped_storage().data_ptr() in saved))
+
+
+@contextlib.contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """Run a training forward of ``model`` inside (gradients on) that leaves no trace: its buffers (BatchNorm
+    running statistics), its train/eval mode and the RNG state are put back afterwards."""
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    rng = _rng_state()
+    was_training = model.training
+    try:
+        model.train()
+        with torch.enable_grad():
+            yield
+    finally:
         model.train(was_training)
         with torch.no_grad():
             for k, v in model.named_buffers():
                 v.copy_(buffers[k])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    return OutputUses({k: v for k, v in writers.items() if v},
-                      frozenset(name for name, t in tracked if t.untyped_storage().data_ptr() in saved))
+        _set_rng_state(rng)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _differs(stock: Any, other: Any) -> str | None:
+    """Why ``other`` is not ``stock`` up to float rounding (another summation order: 1e-4 of the largest magnitude
+    in 32 or 64 bits, 1e-2 in 16), or None."""
+    a, b = _tensors(stock), _tensors(other)
+    if len(a) != len(b):
+        return f"it gives {len(b)} output tensors where the module's own forward gives {len(a)}"
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"it gives an output of {tuple(y.shape)} {y.dtype} where the module's own is {tuple(x.shape)} {x.dtype}"
+        x, y = x.detach(), y.detach()
+        if not x.is_floating_point():
+            if not torch.equal(x, y):
+                return "its integer outputs differ from the module's own"
+            continue
+        if not torch.equal(x.isnan(), y.isnan()):
+            return "its outputs hold NaN elsewhere than the module's own"
+        x, y = x.nan_to_num(), y.nan_to_num()
+        scale = float(x.abs().max()) if x.numel() else 0.0
+        err = float((x - y).abs().max()) if x.numel() else 0.0
+        tol = 1e-4 if x.element_size() >= 4 else 1e-2
+        if err > tol * max(scale, torch.finfo(x.dtype).tiny):
+            return f"its outputs are {err / max(scale, torch.finfo(x.dtype).tiny):.1e} of their largest magnitude off the module's own"
+    return None
+
+
+def check_impls(model: nn.Module, pairs: list[tuple[str, nn.Module, Impl]], *args: Any, **kwargs: Any) -> dict[str, str]:
+    """Which of ``pairs`` (name, module, implementation) compute otherwise than their module's own forward on
+    these inputs: ``{name: why}``.
+
+    Runs ``model(*args, **kwargs)`` once as a training step's forward does (no backward) and, at each call of a
+    listed module, its class's forward and the implementation again on the same inputs from the RNG state the call
+    began with; outputs must agree up to float rounding (:func:`_differs`), and an implementation that raises
+    fails. The model's buffers and the RNG state are put back (:func:`_probing`)."""
+    listed = {id(mod): (name, mod, impl) for name, mod, impl in pairs}
+    failed: dict[str, str] = {}
+    began: dict[int, tuple[torch.Tensor, list[torch.Tensor] | None]] = {}
+
+    def pre(mod: nn.Module, inputs: Any, kw: Any) -> None:
+        began[id(mod)] = _rng_state()
+
+    def post(mod: nn.Module, inputs: Any, kw: Any, output: Any) -> None:
+        name, _, impl = listed[id(mod)]
+        if name in failed:
+            return
+        after = _rng_state()
+        own = type(mod).forward.__get__(mod)
+        try:
+            _set_rng_state(began[id(mod)])
+            stock = own(*inputs, **kw)
+            _set_rng_state(began[id(mod)])
+            other = dispatch_impl(mod, impl, own, *inputs, **kw)
+            why = _differs(stock, other)
+        except Exception as exc:  # an implementation that cannot run here is not a candidate here
+            why = f"it raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+        finally:
+            _set_rng_state(after)
+        if why is not None:
+            failed[name] = why
+
+    handles = []
+    for _, mod, _ in pairs:
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        with _probing(model):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return failed

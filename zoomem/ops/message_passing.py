@@ -8,9 +8,15 @@ edges-by-features tensor. This implementation converts the edge list on the way 
 forward; in a wrapped model it runs inside zoomem's forward of the conv's unit (``runtime.compact.UNIT_INNER``),
 so a recomputed conv converts its edge list again rather than holding the adjacency from forward to backward.
 
-It applies only where both paths compute the same thing: a simple graph (no duplicate edges, no self
-loops, checked on every call; otherwise it falls back to the edge list) and no edge weights or extra inputs.
-The sums run in another order, so results agree to float rounding (about 1e-7 relative), not bitwise.
+It applies only where both paths compute the same thing, checked on every call (otherwise the conv runs its edge
+list): no edge weights or extra inputs, and a simple graph (no self-loops, no repeated edges) or a conv whose
+CSR path is known to take the others as its edge list does (:func:`_multigraph_rule`: GCN, GIN, GraphConv and
+GraphSAGE; GCN's replaced self-loops dropped first, repeated edges weighted by their count for a sum, kept once for
+a max or min, a mean's left to the edge list). Every other conv class's ``message_and_aggregate`` is taken on
+trust for simple graphs, and checked: planning compares the form's output with the conv's own on the planning batch
+and leaves it off a conv where they differ or it fails (``Impl.checked``; GCN with ``improved=True``, whose edge
+list in PyG 2.8 gives its self-loops weight 1 where its CSR path gives 2; ARMA and MF, which cannot take a CSR
+matrix). The sums run in another order, so results agree to float rounding (about 1e-7 relative), not bitwise.
 
 What the products save is the adjacency's structure in a compact form (indices in their own storage, int32 where
 they fit): PyG builds a CSR's column indices as a view of a ``[2, E]`` edge list, so the stock product of a GCN
@@ -48,11 +54,55 @@ from .impls import Impl, register_impl
 __all__ = ["register_message_passing_impl"]
 
 
-def _simple_graph(edge_index: torch.Tensor, num_nodes: int) -> bool:
-    if bool((edge_index[0] == edge_index[1]).any()):
-        return False
+def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
+    """How ``module``'s CSR path takes a graph with self-loops or repeated edges as its edge list does: whether
+    self-loops are dropped first, and whether repeats become edge weights (their count: a sum) or one entry (a max
+    or min: a repeat changes nothing); None where it cannot, or is not known to (every class but the four below,
+    whose paths PyG 2.8's code shows and the tests measure; subclasses may aggregate otherwise).
+
+    GCN's normalisation drops a graph's self-loops and adds one a node (``add_remaining_self_loops`` without edge
+    weights), where its CSR path would add one beside each: so they are dropped first. To the others a self-loop
+    is an edge like any other on both paths. PyG builds a CSR matrix with one unit entry per edge pair, so a
+    repeated edge would count once; with its count as the entry's value, GCN's degrees and every sum see it as
+    often as the edge list does. A mean divides by the entries of a row, not their values: no rule."""
+    from torch_geometric.nn.conv import GCNConv, GINConv, GraphConv, SAGEConv
+
+    if type(module) not in (GCNConv, GINConv, GraphConv, SAGEConv):
+        return None
+    drop_loops = isinstance(module, GCNConv) and module.normalize and module.add_self_loops
+    if drop_loops and module.improved:  # its edge list ignores ``improved`` (loops of weight 1), its CSR path not
+        return None
+    aggr = getattr(module, "aggr", None)
+    repeats = {"add": "weights", "sum": "weights", "max": "once", "min": "once"}.get(aggr) if isinstance(aggr, str) \
+        else None
+    return (drop_loops, repeats or "fail")
+
+
+def _adjacency_edges(
+    module: nn.Module, edge_index: torch.Tensor, num_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The edge list, and each edge's weight (None: all 1), whose CSR adjacency gives ``module`` what its own edge
+    list does; None where none does (:func:`_multigraph_rule`). A simple graph (no self-loops, no repeated edges)
+    is taken as it is."""
     keys = edge_index[0] * num_nodes + edge_index[1]
-    return torch.unique(keys).numel() == keys.numel()
+    loops = bool((edge_index[0] == edge_index[1]).any())
+    unique, counts = torch.unique(keys, return_counts=True)
+    if not loops and unique.numel() == keys.numel():
+        return edge_index, None
+    rule = _multigraph_rule(module)
+    if rule is None:
+        return None
+    drop_loops, repeats = rule
+    if drop_loops and loops:
+        keep = unique // num_nodes != unique % num_nodes
+        unique, counts = unique[keep], counts[keep]
+    weights = None
+    if counts.numel() and bool((counts > 1).any()):
+        if repeats == "fail":
+            return None
+        if repeats == "weights":
+            weights = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
+    return torch.stack((unique // num_nodes, unique % num_nodes)), weights
 
 
 def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_index: Any, *args: Any, **kwargs: Any) -> Any:
@@ -68,12 +118,13 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
         and not args
         and all(v is None for v in kwargs.values())
     )
-    if not plain or not _simple_graph(edge_index, x.size(0)):
+    n = x.size(0) if plain else 0
+    edges = _adjacency_edges(module, edge_index, n) if plain else None
+    if edges is None:
         return original(x, edge_index, *args, **kwargs)
-    n = x.size(0)
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
         warnings.simplefilter("ignore", UserWarning)
-        adj_t = to_torch_csr_tensor(edge_index.flip(0), size=(n, n))  # rows: targets, as PyG's adj_t
+        adj_t = to_torch_csr_tensor(edges[0].flip(0), edges[1], size=(n, n))  # rows: targets, as PyG's adj_t
     with _RouteReduceSpmm(adj_t):
         return original(x, adj_t)
 
@@ -363,9 +414,10 @@ def register_message_passing_impl() -> Impl | None:
             (MessagePassing,),
             _spmm_forward,
             applies,
-            "PyG conv aggregating through a CSR adjacency (SpMM) instead of E x F messages; simple graphs only; "
-            "~1e-7 relative.",
+            "PyG conv aggregating through a CSR adjacency (SpMM) instead of E x F messages; simple graphs, or "
+            "self-loops and repeated edges where the conv's CSR path takes them as its edge list does; ~1e-7 relative.",
             wraps_original=True,
             may_be_faster=True,
+            checked=True,
         )
     )

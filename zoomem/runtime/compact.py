@@ -12,6 +12,8 @@ what that saves because the runtime measured the step's timeline once with all o
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from typing import Any, Callable
 
 from torch import nn
@@ -19,11 +21,13 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..ops import Impl, impls_for, install_impl
-from ..ops.impls import OutputUses, scan_outputs
+from ..ops.impls import OutputUses, check_impls, scan_outputs
 from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..ops.rebuild import set_owner
 from ..planner import OUTSIDE_UNITS
 from .patch import set_forward
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["OUTPUT_SAVING", "OUTSIDE_UNITS", "PASSES_REBUILD", "REBUILT_OUTPUT", "UNIT_INNER", "choose_impls",
            "install_switched", "install_all", "wrap_root"]
@@ -66,7 +70,7 @@ def choose_impls(
             if mod is unit.module:  # the unit's own forward runs the plan: only input-changing impls go on it
                 impls = [i for i in impls if i.wraps]
             if impls:
-                full = f"{unit.name}.{name}" if unit.name else name
+                full = ".".join(n for n in (unit.name, name) if n)
                 candidates.setdefault(unit.name, []).append((full, mod, impls))
     if outside:
         for path, mod in model.named_modules():
@@ -77,6 +81,7 @@ def choose_impls(
                 impls = [i for i in impls if i.wraps]  # them, see ROOT) or replace another attribute
             if impls:
                 candidates.setdefault(OUTSIDE_UNITS, []).append((path, mod, impls))
+    _drop_unchecked(model, candidates, batch)
     uses = OutputUses({}, frozenset())
     if any(impls[0].name in OUTPUT_SAVING for pairs in candidates.values() for _, _, impls in pairs):
         uses = scan_outputs(model, *batch.args, **batch.kwargs)
@@ -97,6 +102,31 @@ def choose_impls(
             chosen[unit].append((mod, impl))
             set_owner(mod, unit)  # tensors one of its forms makes rebuildable are rebuilt within the unit
     return chosen
+
+
+_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, str | None]]" = weakref.WeakKeyDictionary()
+"""Per module, per checked implementation: why it computes otherwise than the module (None: it does not)."""
+
+
+def _drop_unchecked(model: nn.Module, candidates: dict[str, list[tuple[str, nn.Module, list[Impl]]]],
+                    batch: Batch) -> None:
+    """Take out of ``candidates`` the checked implementations (``Impl.checked``) that compute otherwise than their
+    module on ``batch`` (:func:`check_impls`, once per module and implementation: the first plan's choice is the one
+    installed)."""
+    todo = [(full, mod, impl) for pairs in candidates.values() for full, mod, impls in pairs for impl in impls
+            if impl.checked and impl.name not in _VERDICTS.get(mod, {})]
+    if todo:
+        failed = check_impls(model, todo, *batch.args, **batch.kwargs)
+        for full, mod, impl in todo:
+            why = _VERDICTS.setdefault(mod, {})[impl.name] = failed.get(full)
+            if why is not None:
+                logger.info("zoomem: %s left off %s (%s), checked on the planning batch: %s",
+                            impl.name, full, type(mod).__name__, why)
+    for pairs in candidates.values():
+        for _, mod, impls in pairs:
+            impls[:] = [i for i in impls if not i.checked or _VERDICTS[mod][i.name] is None]
+    for unit in list(candidates):
+        candidates[unit] = [(full, mod, impls) for full, mod, impls in candidates[unit] if impls]
 
 
 def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[], None]:
