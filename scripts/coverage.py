@@ -107,25 +107,35 @@ class _Convs(nn.Module):
         return self.convs[1](torch.relu(self.convs[0](x, edge_index, *extra)), edge_index, *extra)
 
 
-def _pyg() -> dict[str, tuple[Callable[[], nn.Module], bool]]:
+def _pyg() -> dict[str, tuple[Callable[[], nn.Module], bool, bool]]:
     import torch_geometric.nn as G
 
     mlp = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.ReLU())  # noqa: E731
     return {
-        "gatv2": (lambda: G.models.GAT(16, 32, 2, 4, v2=True, heads=2), False),
-        "gat-edge-features": (lambda: G.models.GAT(16, 32, 2, 4, edge_dim=8, heads=2), True),
-        "sage-jk-cat": (lambda: G.models.GraphSAGE(16, 32, 3, 4, jk="cat"), False),
-        "gin-batch-norm": (lambda: G.models.GIN(16, 32, 3, 4, norm="batch_norm"), False),
-        "gcn-layer-norm-dropout": (lambda: G.models.GCN(16, 32, 3, 4, norm="layer_norm", dropout=0.3), False),
+        "gatv2": (lambda: G.models.GAT(16, 32, 2, 4, v2=True, heads=2), False, False),
+        "gat-edge-features": (lambda: G.models.GAT(16, 32, 2, 4, edge_dim=8, heads=2), True, False),
+        "sage-jk-cat": (lambda: G.models.GraphSAGE(16, 32, 3, 4, jk="cat"), False, False),
+        "gin-batch-norm": (lambda: G.models.GIN(16, 32, 3, 4, norm="batch_norm"), False, False),
+        "gcn-layer-norm-dropout": (lambda: G.models.GCN(16, 32, 3, 4, norm="layer_norm", dropout=0.3), False, False),
         "pna": (lambda: G.models.PNA(16, 32, 2, 4, aggregators=["mean", "max", "std"],
                                      scalers=["identity", "amplification"],
-                                     deg=torch.tensor([0, 10, 40, 80, 50, 20])), False),
-        "edgecnn": (lambda: G.models.EdgeCNN(16, 32, 2, 4), False),
-        "transformerconv": (lambda: _Convs(G.TransformerConv(16, 32, heads=2), G.TransformerConv(64, 4)), False),
+                                     deg=torch.tensor([0, 10, 40, 80, 50, 20])), False, False),
+        "edgecnn": (lambda: G.models.EdgeCNN(16, 32, 2, 4), False, False),
+        "transformerconv": (lambda: _Convs(G.TransformerConv(16, 32, heads=2), G.TransformerConv(64, 4)),
+                            False, False),
         "gineconv": (lambda: _Convs(G.GINEConv(mlp(16, 32), edge_dim=8), G.GINEConv(mlp(32, 4), edge_dim=8),
-                                    edges=True), True),
+                                    edges=True), True, False),
+        "gcn-improved": (lambda: _Convs(G.GCNConv(16, 32, improved=True), G.GCNConv(32, 4, improved=True)),
+                         False, True),
+        "graphconv": (lambda: _Convs(G.GraphConv(16, 32), G.GraphConv(32, 4)), False, False),
+        "tagconv": (lambda: _Convs(G.TAGConv(16, 32), G.TAGConv(32, 4)), False, True),
+        "armaconv": (lambda: _Convs(G.ARMAConv(16, 32), G.ARMAConv(32, 4)), False, True),
+        "mfconv": (lambda: _Convs(G.MFConv(16, 32), G.MFConv(32, 4)), False, True),
     }
-"""PyG models and convolutions (beyond the matrix's GCN, GAT, GraphSAGE and GIN) on a 500-node random graph."""
+"""PyG models and convolutions (beyond the matrix's GCN, GAT, GraphSAGE and GIN) on a 500-node random graph drawn
+with ``torch.randint``, self-loops and repeated edges included (first flag: with edge features), or, second flag,
+only its distinct edges between distinct nodes (a simple graph, as datasets have: the convs whose SpMM form is
+checked against their own forward, :func:`zoomem.ops.impls.check_impls`, take it on simple graphs only)."""
 
 
 def build(spec: str, image_size: int = 64) -> tuple[nn.Module, Any, Batch]:
@@ -157,11 +167,13 @@ def build(spec: str, image_size: int = 64) -> tuple[nn.Module, Any, Batch]:
         models = _pyg()
         if name not in models:
             raise ValueError(f"No pyg model {name!r} here; the models are {', '.join(models)}.")
-        make, edges = models[name]
+        make, edges, simple = models[name]
         model = make()
         g = torch.Generator().manual_seed(0)
         x, edge_index = torch.randn(500, 16, generator=g), torch.randint(0, 500, (2, 4000), generator=g)
-        kwargs = {"edge_attr": torch.randn(4000, 8, generator=g)} if edges else {}
+        if simple:
+            edge_index = torch.unique(edge_index[:, edge_index[0] != edge_index[1]], dim=1)
+        kwargs = {"edge_attr": torch.randn(edge_index.size(1), 8, generator=g)} if edges else {}
         return model, get_adapter(model), Batch(args=(x, edge_index), kwargs=kwargs,
                                                 target=torch.randint(0, 4, (500,), generator=g))
     raise ValueError(f"Unknown model kind in {spec!r}: use timm:<name>, hf:<name> or pyg:<name>.")
