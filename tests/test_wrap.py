@@ -959,6 +959,49 @@ def test_a_gcn_on_a_graph_with_self_loops_and_repeated_edges() -> None:
     zoomem.unwrap(model)
 
 
+def test_a_model_called_on_a_pyg_data_object_plans_per_graph_size() -> None:
+    """A model whose forward takes a PyG ``Data`` object (``model(data)``, as PyG's examples write it): the plan
+    cache keys on the shapes of the object's tensors, and the batch's bytes count as the batch's. Before, the
+    signature saw only the object's type, so a larger graph ran the plan made for the first one, above the
+    budget."""
+    import torch_geometric as G
+
+    from zoomem import Batch
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.ModuleList([G.nn.GCNConv(32, 64), G.nn.GCNConv(64, 64), G.nn.GCNConv(64, 8)])
+
+        def forward(self, data: Any) -> torch.Tensor:
+            x = data.x
+            for i, conv in enumerate(self.convs):
+                x = conv(x, data.edge_index)
+                x = x.relu() if i < 2 else x
+            return x
+
+    def graph(n: int, seed: int) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        data = G.data.Data(x=torch.randn(n, 32, generator=g), edge_index=torch.randint(0, n, (2, 10 * n), generator=g))
+        return Batch(args=(data,), target=torch.randint(0, 8, (n,), generator=g))
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    small, large = graph(500, 0), graph(4000, 1)
+    adapter = zoomem.get_adapter(model)
+    _, want, plain = _step(ref, adapter, large)
+    budget = int(0.5 * plain)
+    zoomem.wrap(model, budget, adapter=adapter)
+    for batch in (small, large):  # planned outside a meter, as a training loop's first steps on each graph
+        adapter.loss(model, batch, batch.call(model)).backward()
+        model.zero_grad(set_to_none=True)
+    _, grads, peak = _step(model, adapter, large)
+    _assert_grads_close(grads, want, "GCN on a Data object")
+    assert len(model._zoomem.plans) == 2 and peak <= budget, (peak / plain, list(model._zoomem.plans))
+    zoomem.unwrap(model)
+
+
 def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
     from zoomem.planner import CostModel
 

@@ -7,14 +7,16 @@ models given ``labels``).
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Batch", "no_larger"]
+__all__ = ["Batch", "no_larger", "tensors_in"]
 
 
 @dataclass
@@ -58,14 +60,17 @@ class Batch:
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the batch holds (inputs and target)."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs, self.target))
-        return [t for t in leaves if isinstance(t, torch.Tensor)]
+        """Every tensor the batch holds (inputs and target), those inside PyG data objects included."""
+        return tensors_in((self.args, self.kwargs, self.target))
+
+    def inputs(self) -> list[torch.Tensor]:
+        """Every tensor of the model's inputs (:meth:`tensors` but the target's)."""
+        return tensors_in((self.args, self.kwargs))
 
     def to(self, device: torch.device | str) -> "Batch":
         """A copy with every tensor moved to ``device``."""
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        args, kwargs, target = pytree.tree_map(move, (self.args, self.kwargs, self.target))
+        args, kwargs, target = _map_tensors(move, (self.args, self.kwargs, self.target))
         return Batch(tuple(args), dict(kwargs), target)
 
     def detached(self) -> "Batch":
@@ -79,13 +84,12 @@ class Batch:
         def cut(t: Any) -> Any:
             return t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t
 
-        args, kwargs, target = pytree.tree_map(cut, (self.args, self.kwargs, self.target))
+        args, kwargs, target = _map_tensors(cut, (self.args, self.kwargs, self.target))
         return Batch(tuple(args), dict(kwargs), target)
 
     def batch_size(self) -> int | None:
         """The size of the batch dimension: dim 0 of the first input tensor (``None`` when there is none)."""
-        first = next((t for t in pytree.tree_leaves((self.args, self.kwargs))
-                      if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        first = next((t for t in self.inputs() if t.dim() > 0), None)
         return None if first is None else int(first.shape[0])
 
     def take(self, n: int) -> "Batch":
@@ -117,12 +121,51 @@ class Batch:
                 return (tuple(x.shape), str(x.dtype))
             if isinstance(x, (int, float, bool, str, type(None))):
                 return x
+            if _is_pyg_data(x):  # its tensors by name (its other values, a molecule's SMILES, are per sample)
+                return (type(x).__name__,) + tuple((k, sig(v)) for k, v in _pyg_items(x) if isinstance(v, torch.Tensor))
             return type(x).__name__
 
         kw = tuple(sorted((k, tuple(sig(leaf) for leaf in pytree.tree_leaves(v))) for k, v in self.kwargs.items()))
         args = tuple(sig(a) for a in pytree.tree_leaves(self.args))
         target = None if self.target is None else tuple(sig(t) for t in pytree.tree_leaves(self.target))
         return (("args",) + args, ("kwargs",) + kw, ("target", target))
+
+
+def _is_pyg_data(x: Any) -> bool:
+    """Whether ``x`` is a PyG data object (``Data``, ``HeteroData``, their mini-batches): pytree takes it for a leaf,
+    but its tensors are the model's inputs. (PyG is loaded wherever one exists: nothing is imported here.)"""
+    data = sys.modules.get("torch_geometric.data.data")
+    return data is not None and isinstance(x, data.BaseData)
+
+
+def _pyg_items(x: Any) -> list[tuple[str, Any]]:
+    """A PyG data object's values by their path (``['x']``, ``['paper']['x']`` in a ``HeteroData``)."""
+    flat, _ = pytree.tree_flatten_with_path(x.to_dict())
+    return [(pytree.keystr(path), value) for path, value in flat]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """pytree's leaves of ``tree``, with each PyG data object's values in its place."""
+    out: list[Any] = []
+    for leaf in pytree.tree_leaves(tree):
+        out.extend(v for _, v in _pyg_items(leaf)) if _is_pyg_data(leaf) else out.append(leaf)
+    return out
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree`` (pytree's containers), those inside PyG data objects included."""
+    return [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to each tensor, those inside PyG data objects too (in a copy of the object: the
+    caller's is left as it is)."""
+    def each(leaf: Any) -> Any:
+        if _is_pyg_data(leaf):
+            return copy.copy(leaf).apply(fn)
+        return fn(leaf) if isinstance(leaf, torch.Tensor) else leaf
+
+    return pytree.tree_map(each, tree)
 
 
 def no_larger(small: Any, large: Any) -> bool:

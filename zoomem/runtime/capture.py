@@ -76,7 +76,7 @@ class HeldOutputGrads:
         refresh against a sampled loss)."""
         leaves = output_leaves(output)
         nbytes = sum(t.numel() * t.element_size() for t in leaves)
-        inputs = [t for t in pytree.tree_leaves((batch.args, batch.kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = batch.inputs()
         held = cls(step, batch, [None] * len(leaves), [(t, t._version) for t in inputs], [0] * len(leaves))
         if not leaves:
             held.declined = "the output holds no floating tensor that backward reaches"

@@ -43,6 +43,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..batch import tensors_in
 from ..compress.quantize import GROUP_SIZE, Quantized, dequantize, quantize, rows_fit
 from ..measure import tensor_nbytes
 from ..ops.attention import attention_logsumexp
@@ -491,12 +492,8 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
-    for leaf in pytree.tree_leaves((args, dict(kwargs))):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    return tensors_in((args, dict(kwargs)))
 
 
 def _warn_diverged(key: str, got: str, want: str, smaller: bool = False) -> None:
