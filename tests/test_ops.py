@@ -1062,7 +1062,7 @@ def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog
     """``message_passing_spmm`` covers every PyG conv with its own ``message_and_aggregate``; checked on the
     planning batch, it is left off the ones that compute otherwise through it (GCN with ``improved=True``, whose
     edge list in PyG 2.8 gives its self-loops weight 1 and its CSR path 2) or fail on it (ARMA, MF), with the reason
-    logged; a plain GCN keeps it. Before the check, a wrapped model of the first ran with gradients 20% off."""
+    logged; a plain GCN keeps it. Before the check, a wrapped model of the first ran with gradients 21% off."""
     import logging
 
     pytest.importorskip("torch_geometric")
@@ -1092,6 +1092,26 @@ def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog
     left = sorted(r.getMessage().split(" (")[0] for r in caplog.records if "left off" in r.getMessage())
     assert left == [f"zoomem: message_passing_spmm left off convs.{i}" for i in range(3)]
     assert "largest magnitude off" in caplog.text and "raised RuntimeError" in caplog.text and "NotImplementedError" in caplog.text
+
+
+def test_a_check_that_runs_out_of_memory_gives_no_verdict() -> None:
+    """A checked implementation that raises is left off with the error as the reason, unless the error is an
+    allocation that did not fit: that goes up to planning, which plans from smaller batches where it can, and no
+    verdict is given. The module's buffers and the RNG state are as before the check."""
+    from zoomem.ops.impls import check_impls
+
+    def raising(error: Exception) -> Impl:
+        def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            raise error
+        return Impl("raising", (nn.BatchNorm1d,), forward, checked=True)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    x = torch.randn(16, 4)
+    stats, rng = model[1].running_mean.clone(), torch.get_rng_state()
+    assert check_impls(model, [("1", model[1], raising(ValueError("no\nmore")))], x) == {"1": "it raised ValueError: no"}
+    with pytest.raises(torch.OutOfMemoryError):
+        check_impls(model, [("1", model[1], raising(torch.OutOfMemoryError("out of memory")))], x)
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
 
 
 def _stock_csr_conv(conv: nn.Module, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:

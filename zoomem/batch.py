@@ -88,8 +88,10 @@ class Batch:
         return Batch(tuple(args), dict(kwargs), target)
 
     def batch_size(self) -> int | None:
-        """The size of the batch dimension: dim 0 of the first input tensor (``None`` when there is none)."""
-        first = next((t for t in self.inputs() if t.dim() > 0), None)
+        """The size of the batch dimension: dim 0 of the first input tensor (``None`` when there is none; a PyG data
+        object's nodes are not samples: its tensors are not looked at)."""
+        first = next((t for t in pytree.tree_leaves((self.args, self.kwargs))
+                      if isinstance(t, torch.Tensor) and t.dim() > 0), None)
         return None if first is None else int(first.shape[0])
 
     def take(self, n: int) -> "Batch":
