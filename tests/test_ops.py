@@ -1058,6 +1058,43 @@ def test_message_passing_spmm_on_graphs_with_self_loops_and_repeated_edges(
             assert (ours - stock).abs().max() <= 1e-5 * stock.abs().max(), (case, repeats)
 
 
+@pytest.mark.parametrize("case, through_csr", [("gcn", (True, False)), ("graph_conv", (True, True)),
+                                               ("graph_conv_mean", (False, False))])
+def test_message_passing_spmm_takes_edge_weights(case: str, through_csr: tuple[bool, bool]) -> None:
+    """A constant ``edge_weight`` (positional or by name) becomes the CSR adjacency's values, a repeated edge's
+    weights summed, for the sums of GCN and GraphConv; not with self-loops in GCN (its edge list keeps a loop's own
+    weight), for a mean, or for a weight that needs a gradient. Output and gradients within float rounding of the
+    edge list's."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric import nn as pnn
+
+    from zoomem.ops import message_passing as mp
+
+    mp.register_message_passing_impl()
+    make = {"gcn": lambda: pnn.GCNConv(8, 4), "graph_conv": lambda: pnn.GraphConv(8, 4),
+            "graph_conv_mean": lambda: pnn.GraphConv(8, 4, aggr="mean")}[case]
+    torch.manual_seed(0)
+    n, x0 = 300, torch.randn(300, 8)
+    for loops, csr in zip((False, True), through_csr):
+        edge_index = _multigraph(n, 2000, loops=loops, repeats=True)
+        weight = torch.rand(edge_index.size(1)) + 0.5
+        assert mp._edge_weight(edge_index, (weight.requires_grad_(),), {}) == (False, None)
+        weight.requires_grad_(False)
+        for by_name in (False, True):
+            results = []
+            for compact in (False, True):
+                torch.manual_seed(1)
+                conv = make()
+                assert (mp._adjacency_edges(conv, edge_index, n, weight) is not None) is csr
+                if compact:
+                    install_impl(conv, "message_passing_spmm")
+                x = x0.clone().requires_grad_()
+                out = conv(x, edge_index, edge_weight=weight) if by_name else conv(x, edge_index, weight)
+                results.append([out, *torch.autograd.grad(out.square().sum(), [x, *conv.parameters()])])
+            for stock, ours in zip(*results):
+                assert (ours - stock).abs().max() <= 1e-5 * stock.abs().max(), (case, loops, by_name)
+
+
 def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog: pytest.LogCaptureFixture) -> None:
     """``message_passing_spmm`` covers every PyG conv with its own ``message_and_aggregate``; checked on the
     planning batch, it is left off the ones that compute otherwise through it (GCN with ``improved=True``, whose

@@ -9,10 +9,11 @@ forward; in a wrapped model it runs inside zoomem's forward of the conv's unit (
 so a recomputed conv converts its edge list again rather than holding the adjacency from forward to backward.
 
 It applies only where both paths compute the same thing, checked on every call (otherwise the conv runs its edge
-list): no edge weights or extra inputs, and a simple graph (no self-loops, no repeated edges) or a conv whose
-CSR path is known to take the others as its edge list does (:func:`_multigraph_rule`: GCN, GIN, GraphConv and
-GraphSAGE; GCN's replaced self-loops dropped first, repeated edges weighted by their count for a sum, kept once for
-a max or min, a mean's left to the edge list). Every other conv class's ``message_and_aggregate`` is taken on
+list): no extra inputs but a constant ``edge_weight`` (the adjacency's values, for GCN's and GraphConv's sums), and
+a simple graph (no self-loops, no repeated edges) or a conv whose CSR path is known to take the others as its edge
+list does (:func:`_multigraph_rule`: GCN, GIN, GraphConv and GraphSAGE; GCN's replaced self-loops dropped first,
+repeated edges weighted by their count, or their weights summed, for a sum, kept once for a max or min, a mean's
+left to the edge list). Every other conv class's ``message_and_aggregate`` is taken on
 trust for simple graphs, and checked: planning compares the form's output with the conv's own on the planning batch
 and leaves it off a conv where they differ or it fails (``Impl.checked``; GCN with ``improved=True``, whose edge
 list in PyG 2.8 gives its self-loops weight 1 where its CSR path gives 2; ARMA and MF, which cannot take a CSR
@@ -79,20 +80,29 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
 
 
 def _adjacency_edges(
-    module: nn.Module, edge_index: torch.Tensor, num_nodes: int
+    module: nn.Module, edge_index: torch.Tensor, num_nodes: int, weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The edge list, and each edge's weight (None: all 1), whose CSR adjacency gives ``module`` what its own edge
-    list does; None where none does (:func:`_multigraph_rule`). A simple graph (no self-loops, no repeated edges)
-    is taken as it is."""
+    list (with ``weight``, its ``edge_weight``) does; None where none does (:func:`_multigraph_rule`). A simple graph
+    (no self-loops, no repeated edges) without weights is taken as it is. Edge weights go to the sums of GCN and
+    GraphConv, a repeated edge's summed; not with self-loops in GCN, whose edge list keeps a loop's own weight where
+    its CSR path would add one to it."""
     keys = edge_index[0] * num_nodes + edge_index[1]
     loops = bool((edge_index[0] == edge_index[1]).any())
-    unique, counts = torch.unique(keys, return_counts=True)
-    if not loops and unique.numel() == keys.numel():
+    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    if weight is None and not loops and unique.numel() == keys.numel():
         return edge_index, None
     rule = _multigraph_rule(module)
     if rule is None:
         return None
     drop_loops, repeats = rule
+    edges = lambda k: torch.stack((k // num_nodes, k % num_nodes))  # noqa: E731
+    if weight is not None:
+        from torch_geometric.nn.conv import GCNConv, GraphConv
+
+        if not isinstance(module, (GCNConv, GraphConv)) or repeats != "weights" or (drop_loops and loops):
+            return None
+        return edges(unique), weight.new_zeros(unique.numel()).index_add_(0, inverse, weight)
     if drop_loops and loops:
         keep = unique // num_nodes != unique % num_nodes
         unique, counts = unique[keep], counts[keep]
@@ -102,7 +112,21 @@ def _adjacency_edges(
             return None
         if repeats == "weights":
             weights = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
-    return torch.stack((unique // num_nodes, unique % num_nodes)), weights
+    return edges(unique), weights
+
+
+def _edge_weight(edge_index: torch.Tensor, args: tuple, kwargs: dict) -> tuple[bool, torch.Tensor | None]:
+    """Whether a conv's arguments after ``(x, edge_index)`` are at most an ``edge_weight`` (positional or by name,
+    the rest ``None``) the CSR adjacency can hold as its values: one constant float per edge; and that weight."""
+    rest = [v for k, v in kwargs.items() if k != "edge_weight"]
+    if len(args) > 1 or any(v is not None for v in rest) or (args and kwargs.get("edge_weight") is not None):
+        return False, None
+    weight = args[0] if args else kwargs.get("edge_weight")
+    if weight is None:
+        return True, None
+    usable = (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.is_floating_point()
+              and weight.numel() == edge_index.size(1) and not weight.requires_grad)
+    return usable, weight if usable else None
 
 
 def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_index: Any, *args: Any, **kwargs: Any) -> Any:
@@ -115,11 +139,10 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
         and edge_index.dim() == 2
         and edge_index.size(0) == 2
         and not edge_index.is_floating_point()
-        and not args
-        and all(v is None for v in kwargs.values())
     )
+    usable, weight = _edge_weight(edge_index, args, kwargs) if plain else (False, None)
     n = x.size(0) if plain else 0
-    edges = _adjacency_edges(module, edge_index, n) if plain else None
+    edges = _adjacency_edges(module, edge_index, n, weight) if usable else None
     if edges is None:
         return original(x, edge_index, *args, **kwargs)
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
@@ -415,7 +438,8 @@ def register_message_passing_impl() -> Impl | None:
             _spmm_forward,
             applies,
             "PyG conv aggregating through a CSR adjacency (SpMM) instead of E x F messages; simple graphs, or "
-            "self-loops and repeated edges where the conv's CSR path takes them as its edge list does; ~1e-7 relative.",
+            "self-loops, repeated edges and edge weights where the conv's CSR path takes them as its edge list does; "
+            "~1e-7 relative.",
             wraps_original=True,
             may_be_faster=True,
             checked=True,
