@@ -1128,7 +1128,8 @@ def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog
     assert {u for u, pairs in chosen.items() for _, i in pairs if i.name == "message_passing_spmm"} == {"convs.3"}
     left = sorted(r.getMessage().split(" (")[0] for r in caplog.records if "left off" in r.getMessage())
     assert left == [f"zoomem: message_passing_spmm left off convs.{i}" for i in range(3)]
-    assert "largest magnitude off" in caplog.text and "raised RuntimeError" in caplog.text and "NotImplementedError" in caplog.text
+    assert "largest magnitude off" in caplog.text and "raised RuntimeError" in caplog.text
+    assert "raised NotImplementedError" in caplog.text
 
 
 def test_a_check_that_runs_out_of_memory_gives_no_verdict() -> None:
@@ -1145,7 +1146,8 @@ def test_a_check_that_runs_out_of_memory_gives_no_verdict() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     x = torch.randn(16, 4)
     stats, rng = model[1].running_mean.clone(), torch.get_rng_state()
-    assert check_impls(model, [("1", model[1], raising(ValueError("no\nmore")))], x) == {"1": "it raised ValueError: no"}
+    failed = check_impls(model, [("1", model[1], raising(ValueError("no\nmore")))], x)
+    assert failed == {"1": "it raised ValueError: no"}
     with pytest.raises(torch.OutOfMemoryError):
         check_impls(model, [("1", model[1], raising(torch.OutOfMemoryError("out of memory")))], x)
     assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)

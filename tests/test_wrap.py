@@ -950,11 +950,12 @@ def test_a_gcn_on_a_graph_with_self_loops_and_repeated_edges() -> None:
     g = torch.Generator().manual_seed(0)
     edge_index = torch.randint(0, 2000, (2, 20000), generator=g)
     assert bool((edge_index[0] == edge_index[1]).any()) and torch.unique(edge_index, dim=1).size(1) < 20000
-    batch = Batch(args=(torch.randn(2000, 32, generator=g), edge_index), target=torch.randint(0, 8, (2000,), generator=g))
+    batch = Batch(args=(torch.randn(2000, 32, generator=g), edge_index),
+                  target=torch.randint(0, 8, (2000,), generator=g))
     adapter = zoomem.get_adapter(model)
     loop_free = edge_index[:, edge_index[0] != edge_index[1]]
-    weighted = Batch(args=(batch.args[0], loop_free), kwargs={"edge_weight": torch.rand(loop_free.size(1), generator=g)},
-                     target=batch.target)
+    weights = {"edge_weight": torch.rand(loop_free.size(1), generator=g)}
+    weighted = Batch(args=(batch.args[0], loop_free), kwargs=weights, target=batch.target)
     for b, what in ((batch, "GCN on a multigraph at 40%"), (weighted, "the same, loops dropped, edge weights")):
         _, want, plain = _step(ref, adapter, b)
         zoomem.wrap(model, 0.4, adapter=adapter, batch=b)

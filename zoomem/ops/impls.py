@@ -753,7 +753,8 @@ def _differs(stock: Any, other: Any) -> str | None:
         return f"it gives {len(b)} output tensors where the module's own forward gives {len(a)}"
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
-            return f"it gives an output of {tuple(y.shape)} {y.dtype} where the module's own is {tuple(x.shape)} {x.dtype}"
+            return (f"it gives an output of {tuple(y.shape)} {y.dtype} where the module's own is {tuple(x.shape)} "
+                    f"{x.dtype}")
         x, y = x.detach(), y.detach()
         if not x.is_floating_point():
             if not torch.equal(x, y):
@@ -762,15 +763,16 @@ def _differs(stock: Any, other: Any) -> str | None:
         if not torch.equal(x.isnan(), y.isnan()):
             return "its outputs hold NaN elsewhere than the module's own"
         x, y = x.nan_to_num(), y.nan_to_num()
-        scale = float(x.abs().max()) if x.numel() else 0.0
+        scale = max(float(x.abs().max()) if x.numel() else 0.0, torch.finfo(x.dtype).tiny)
         err = float((x - y).abs().max()) if x.numel() else 0.0
-        tol = 1e-4 if x.element_size() >= 4 else 1e-2
-        if err > tol * max(scale, torch.finfo(x.dtype).tiny):
-            return f"its outputs are {err / max(scale, torch.finfo(x.dtype).tiny):.1e} of their largest magnitude off the module's own"
+        if err > (1e-4 if x.element_size() >= 4 else 1e-2) * scale:
+            return f"its outputs are {err / scale:.1e} of their largest magnitude off the module's own"
     return None
 
 
-def check_impls(model: nn.Module, pairs: list[tuple[str, nn.Module, Impl]], *args: Any, **kwargs: Any) -> dict[str, str]:
+def check_impls(
+    model: nn.Module, pairs: list[tuple[str, nn.Module, Impl]], *args: Any, **kwargs: Any
+) -> dict[str, str]:
     """Which of ``pairs`` (name, module, implementation) compute otherwise than their module's own forward on
     these inputs: ``{name: why}``.
 
