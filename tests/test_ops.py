@@ -1095,6 +1095,40 @@ def test_message_passing_spmm_takes_edge_weights(case: str, through_csr: tuple[b
                 assert (ours - stock).abs().max() <= 1e-5 * stock.abs().max(), (case, loops, by_name)
 
 
+@pytest.mark.parametrize("case, through_csr", [("sage", (True, False)), ("sage_sum", (True, True)),
+                                               ("gin", (True, True)), ("graph_conv", (True, True))])
+def test_message_passing_spmm_on_bipartite_graphs(case: str, through_csr: tuple[bool, bool]) -> None:
+    """A conv given ``(x_source, x_target)`` (a bipartite edge type, as ``to_hetero`` calls them): the CSR
+    adjacency is targets by sources; on a simple graph and on one with repeated edges (a mean's left to the edge
+    list), output and both inputs' gradients within float rounding of the edge list's."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric import nn as pnn
+
+    from zoomem.ops import message_passing as mp
+
+    mp.register_message_passing_impl()
+    make = {"sage": lambda: pnn.SAGEConv((8, 6), 4), "sage_sum": lambda: pnn.SAGEConv((8, 6), 4, aggr="sum"),
+            "gin": lambda: pnn.GINConv(nn.Linear(8, 4)), "graph_conv": lambda: pnn.GraphConv((8, 6), 4)}[case]
+    torch.manual_seed(0)
+    sources, targets = 400, 300
+    xs, xt = torch.randn(sources, 8), torch.randn(targets, 8 if case == "gin" else 6)
+    simple = torch.unique(torch.stack([torch.randint(0, sources, (2000,)), torch.randint(0, targets, (2000,))]), dim=1)
+    for edge_index, csr in zip((simple, torch.cat([simple, simple[:, :400]], 1)), through_csr):
+        results = []
+        for compact in (False, True):
+            torch.manual_seed(1)
+            conv = make()
+            assert (mp._adjacency_edges(conv, edge_index, sources, targets=targets) is not None) is csr
+            if compact:
+                install_impl(conv, "message_passing_spmm")
+            x = (xs.clone().requires_grad_(), xt.clone().requires_grad_())
+            out = conv(x, edge_index)
+            grads = torch.autograd.grad(out.square().sum(), [*x, *conv.parameters()], allow_unused=True)
+            results.append([out, *(g for g in grads if g is not None)])
+        for stock, ours in zip(*results, strict=True):
+            assert (ours - stock).abs().max() <= 1e-5 * stock.abs().max(), case
+
+
 def test_a_checked_implementation_is_left_off_where_it_computes_otherwise(caplog: pytest.LogCaptureFixture) -> None:
     """``message_passing_spmm`` covers every PyG conv with its own ``message_and_aggregate``; checked on the
     planning batch, it is left off the ones that compute otherwise through it (GCN with ``improved=True``, whose

@@ -13,7 +13,8 @@ list): no extra inputs but a constant ``edge_weight`` (the adjacency's values, f
 a simple graph (no self-loops, no repeated edges) or a conv whose CSR path is known to take the others as its edge
 list does (:func:`_multigraph_rule`: GCN, GIN, GraphConv and GraphSAGE; GCN's replaced self-loops dropped first,
 repeated edges weighted by their count, or their weights summed, for a sum, kept once for a max or min, a mean's
-left to the edge list). Every other conv class's ``message_and_aggregate`` is taken on
+left to the edge list). A conv given ``(x_source, x_target)`` (a bipartite edge type: ``to_hetero``'s convs) gets a
+targets-by-sources adjacency, where no edge is a self-loop. Every other conv class's ``message_and_aggregate`` is taken on
 trust for simple graphs, and checked: planning compares the form's output with the conv's own on the planning batch
 and leaves it off a conv where they differ or it fails (``Impl.checked``; GCN with ``improved=True``, whose edge
 list in PyG 2.8 gives its self-loops weight 1 where its CSR path gives 2; ARMA and MF, which cannot take a CSR
@@ -80,15 +81,18 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
 
 
 def _adjacency_edges(
-    module: nn.Module, edge_index: torch.Tensor, num_nodes: int, weight: torch.Tensor | None = None
+    module: nn.Module, edge_index: torch.Tensor, num_nodes: int, weight: torch.Tensor | None = None,
+    targets: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The edge list, and each edge's weight (None: all 1), whose CSR adjacency gives ``module`` what its own edge
     list (with ``weight``, its ``edge_weight``) does; None where none does (:func:`_multigraph_rule`). A simple graph
     (no self-loops, no repeated edges) without weights is taken as it is. Edge weights go to the sums of GCN and
     GraphConv, a repeated edge's summed; not with self-loops in GCN, whose edge list keeps a loop's own weight where
-    its CSR path would add one to it."""
-    keys = edge_index[0] * num_nodes + edge_index[1]
-    loops = bool((edge_index[0] == edge_index[1]).any())
+    its CSR path would add one to it. ``targets``: a bipartite graph's target nodes (``num_nodes`` its sources),
+    where no edge is a self-loop."""
+    width = num_nodes if targets is None else targets
+    keys = edge_index[0] * width + edge_index[1]
+    loops = targets is None and bool((edge_index[0] == edge_index[1]).any())
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     if weight is None and not loops and unique.numel() == keys.numel():
         return edge_index, None
@@ -96,7 +100,7 @@ def _adjacency_edges(
     if rule is None:
         return None
     drop_loops, repeats = rule
-    edges = lambda k: torch.stack((k // num_nodes, k % num_nodes))  # noqa: E731
+    edges = lambda k: torch.stack((k // width, k % width))  # noqa: E731
     if weight is not None:
         from torch_geometric.nn.conv import GCNConv, GraphConv
 
@@ -104,7 +108,7 @@ def _adjacency_edges(
             return None
         return edges(unique), weight.new_zeros(unique.numel()).index_add_(0, inverse, weight)
     if drop_loops and loops:
-        keep = unique // num_nodes != unique % num_nodes
+        keep = unique // width != unique % width
         unique, counts = unique[keep], counts[keep]
     weights = None
     if counts.numel() and bool((counts > 1).any()):
@@ -132,8 +136,9 @@ def _edge_weight(edge_index: torch.Tensor, args: tuple, kwargs: dict) -> tuple[b
 def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_index: Any, *args: Any, **kwargs: Any) -> Any:
     from torch_geometric.utils import to_torch_csr_tensor
 
+    pair = isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)
     plain = (
-        isinstance(x, torch.Tensor)
+        (isinstance(x, torch.Tensor) or pair)
         and isinstance(edge_index, torch.Tensor)
         and edge_index.layout == torch.strided
         and edge_index.dim() == 2
@@ -141,13 +146,13 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
         and not edge_index.is_floating_point()
     )
     usable, weight = _edge_weight(edge_index, args, kwargs) if plain else (False, None)
-    n = x.size(0) if plain else 0
-    edges = _adjacency_edges(module, edge_index, n, weight) if usable else None
+    n, m = (x[0].size(0), x[1].size(0)) if pair else (x.size(0), None) if plain else (0, None)
+    edges = _adjacency_edges(module, edge_index, n, weight, targets=m) if usable else None
     if edges is None:
         return original(x, edge_index, *args, **kwargs)
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
-        warnings.simplefilter("ignore", UserWarning)
-        adj_t = to_torch_csr_tensor(edges[0].flip(0), edges[1], size=(n, n))  # rows: targets, as PyG's adj_t
+        warnings.simplefilter("ignore", UserWarning)  # rows: targets, as PyG's adj_t
+        adj_t = to_torch_csr_tensor(edges[0].flip(0), edges[1], size=(n if m is None else m, n))
     with _RouteReduceSpmm(adj_t):
         return original(x, adj_t)
 
