@@ -1053,6 +1053,41 @@ def test_a_model_called_on_a_pyg_data_object_plans_per_graph_size() -> None:
     zoomem.unwrap(model)
 
 
+def test_a_pyg_data_object_as_the_planning_batch_goes_in_as_the_forward_takes_it() -> None:
+    """``wrap(model, budget, batch=data)`` with a PyG data object: the object whole to ``forward(self, data)``,
+    its attributes by the names of ``forward(self, x, edge_index, batch)``'s parameters, positionally as PyG's
+    examples call it; the step on the same object then runs the plan made for it (no second plan). Before, a data
+    object always went in as ``(x, edge_index)``: the first forward raised, the second missed ``batch``."""
+    import torch_geometric as G
+
+    from zoomem import Batch
+
+    class Whole(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = G.nn.GCNConv(16, 32), nn.Linear(32, 3)
+
+        def forward(self, data: Any) -> torch.Tensor:
+            return self.head(G.nn.global_mean_pool(self.conv(data.x, data.edge_index).relu(), data.batch))
+
+    class Parts(Whole):
+        def forward(self, x: Any, edge_index: Any, batch: Any) -> torch.Tensor:  # type: ignore[override]
+            return self.head(G.nn.global_mean_pool(self.conv(x, edge_index).relu(), batch))
+
+    g = torch.Generator().manual_seed(0)
+    graphs = [G.data.Data(x=torch.randn(50, 16, generator=g), edge_index=torch.randint(0, 50, (2, 200), generator=g),
+                          y=torch.randint(0, 3, (1,), generator=g)) for _ in range(4)]
+    data = G.data.Batch.from_data_list(graphs)
+    assert Batch.of(data, Whole()).args == (data,)
+    parts = Batch.of(data, Parts())
+    assert len(parts.args) == 3 and parts.args[2] is data.batch and parts.kwargs == {} and parts.target is data.y
+    for model, call in ((Whole(), lambda m: m(data)), (Parts(), lambda m: m(data.x, data.edge_index, data.batch))):
+        zoomem.wrap(model, 0.9, loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out, b.target), batch=data)
+        torch.nn.functional.cross_entropy(call(model), data.y).backward()
+        assert len(model._zoomem.plans) == 1, type(model).__name__
+        zoomem.unwrap(model)
+
+
 def test_a_chained_unit_needs_a_recomputed_predecessor() -> None:
     from zoomem.planner import CostModel
 

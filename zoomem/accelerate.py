@@ -202,7 +202,7 @@ def prepare(
     container = prepared[0] if others else prepared
     bare = _bare(container)
     if wrap_kwargs.get("batch") is not None:
-        wrap_kwargs["batch"] = Batch.of(wrap_kwargs["batch"]).to(accelerator.device)
+        wrap_kwargs["batch"] = Batch.of(wrap_kwargs["batch"], model).to(accelerator.device)
     with holding(container):  # a batch= plans now, outside DDP's forward: its buckets counted all the same
         wrap(bare, budget, level=level, compress=compress, **wrap_kwargs)
     return prepared

@@ -8,6 +8,7 @@ models given ``labels``).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from dataclasses import dataclass, field
@@ -38,8 +39,12 @@ class Batch:
     target: Any = None
 
     @classmethod
-    def of(cls, obj: Any) -> "Batch":
-        """Build a Batch from what users pass: a Batch, dict, tuple/list, tensor or PyG ``Data``."""
+    def of(cls, obj: Any, model: torch.nn.Module | None = None) -> "Batch":
+        """Build a Batch from what users pass: a Batch, dict, tuple/list, tensor or PyG ``Data``.
+
+        A PyG data object goes to ``model``'s forward as its parameters name its attributes (``x, edge_index``,
+        ``batch``, ``edge_attr``, ...: :func:`_pyg_call`), or whole where the forward takes one input
+        (``forward(self, data)``); without a model, as ``(x, edge_index)``. Its ``y`` is the target."""
         if isinstance(obj, Batch):
             return obj
         if isinstance(obj, dict):
@@ -48,6 +53,9 @@ class Batch:
             return cls(args=tuple(obj))
         if isinstance(obj, torch.Tensor):
             return cls(args=(obj,))
+        if _is_pyg_data(obj) and model is not None:
+            args, kwargs = _pyg_call(obj, model)
+            return cls(args=args, kwargs=kwargs, target=getattr(obj, "y", None))
         if hasattr(obj, "x") and hasattr(obj, "edge_index"):  # torch_geometric.data.Data without importing PyG
             return cls(args=(obj.x, obj.edge_index), target=getattr(obj, "y", None))
         raise TypeError(
@@ -138,6 +146,29 @@ def _is_pyg_data(x: Any) -> bool:
     but its tensors are the model's inputs. (PyG is loaded wherever one exists: nothing is imported here.)"""
     data = sys.modules.get("torch_geometric.data.data")
     return data is not None and isinstance(x, data.BaseData)
+
+
+def _pyg_call(data: Any, model: torch.nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments ``model(...)`` takes a PyG data object as: the object itself where its forward has one
+    required parameter that the object has no attribute of (``forward(self, data)``); else each parameter the
+    object has an attribute of, positionally up to the first it lacks (PyG's examples call
+    ``model(data.x, data.edge_index, data.batch)``), by name after."""
+    params = [p for p in inspect.signature(type(model).forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][1:]  # not self
+    has = lambda name: name in data and getattr(data, name, None) is not None  # noqa: E731
+    required = [p for p in params if p.default is p.empty]
+    if len(required) == 1 and not has(required[0].name):
+        return (data,), {}
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for p in params:
+        if not has(p.name):
+            continue
+        if not kwargs and p.kind != p.KEYWORD_ONLY and len(args) == params.index(p):
+            args.append(getattr(data, p.name))
+        else:
+            kwargs[p.name] = getattr(data, p.name)
+    return tuple(args), kwargs
 
 
 def _pyg_items(x: Any) -> list[tuple[str, Any]]:

@@ -322,7 +322,7 @@ def measure_step(
     >>> list(report.phases)
     ['forward', 'backward']
     """
-    b = Batch.of(batch)
+    b = Batch.of(batch, model)
     meter = MemoryMeter(model, optimizer, b, *holders)
     with meter:
         output = b.call(model)

@@ -316,7 +316,7 @@ def trace(
     """
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
-    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch)
+    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch, model)
     loss_fn = loss_fn or (lambda out, b: adapter.loss(model, b, out))  # type: ignore[union-attr]
     units = adapter.units(model)
 

@@ -1405,7 +1405,7 @@ def plan(
     options, lvl = _check_compression(budget, compress, level, strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
-    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch).detached()
+    batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch, model).detached()
     handle: _Handle | None = model.__dict__.get(_ATTR)
     native = _native_checkpointing_off(model, adapter, "zoomem.plan", "it is on again when the plan returns")
     try:
@@ -1617,7 +1617,7 @@ def wrap(
     if batch is not None:
         try:
             # a first micro-batch; later ones plan as they come
-            handle.plan_for(Batch.of(batch).detached(), grads_held=False)
+            handle.plan_for(Batch.of(batch, model).detached(), grads_held=False)
         except BaseException:
             unwrap(model)  # a failed wrap leaves the model as it was
             raise
