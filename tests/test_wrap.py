@@ -1081,6 +1081,21 @@ def test_a_pyg_data_object_as_the_planning_batch_goes_in_as_the_forward_takes_it
     assert Batch.of(data, Whole()).args == (data,)
     parts = Batch.of(data, Parts())
     assert len(parts.args) == 3 and parts.args[2] is data.batch and parts.kwargs == {} and parts.target is data.y
+
+    class Hetero(nn.Module):
+        def forward(self, x_dict: Any, edge_index_dict: Any) -> Any:
+            return x_dict
+
+    hetero = G.data.HeteroData()
+    hetero["paper"].x, hetero["paper", "cites", "paper"].edge_index = graphs[0].x, graphs[0].edge_index
+    assert [list(a) for a in Batch.of(hetero, Hetero()).args] == [["paper"], [("paper", "cites", "paper")]]
+
+    class Unnamed(nn.Module):
+        def forward(self, a: Any, b: Any) -> Any:
+            return a
+
+    with pytest.raises(TypeError, match="name none of its attributes"):
+        Batch.of(data, Unnamed())
     for model, call in ((Whole(), lambda m: m(data)), (Parts(), lambda m: m(data.x, data.edge_index, data.batch))):
         zoomem.wrap(model, 0.9, loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out, b.target), batch=data)
         torch.nn.functional.cross_entropy(call(model), data.y).backward()

@@ -151,11 +151,14 @@ def _is_pyg_data(x: Any) -> bool:
 def _pyg_call(data: Any, model: torch.nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments ``model(...)`` takes a PyG data object as: the object itself where its forward has one
     required parameter that the object has no attribute of (``forward(self, data)``); else each parameter the
-    object has an attribute of, positionally up to the first it lacks (PyG's examples call
-    ``model(data.x, data.edge_index, data.batch)``), by name after."""
+    object has an attribute of (``x_dict`` and ``edge_index_dict`` of a ``HeteroData`` too), positionally up to the
+    first it lacks (PyG's examples call ``model(data.x, data.edge_index, data.batch)``), by name after.
+
+    Raises:
+        TypeError: the forward names none of the object's attributes and takes more than one input."""
     params = [p for p in inspect.signature(type(model).forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][1:]  # not self
-    has = lambda name: name in data and getattr(data, name, None) is not None  # noqa: E731
+    has = lambda name: getattr(data, name, None) is not None  # noqa: E731
     required = [p for p in params if p.default is p.empty]
     if len(required) == 1 and not has(required[0].name):
         return (data,), {}
@@ -168,6 +171,12 @@ def _pyg_call(data: Any, model: torch.nn.Module) -> tuple[tuple[Any, ...], dict[
             args.append(getattr(data, p.name))
         else:
             kwargs[p.name] = getattr(data, p.name)
+    if not args and not kwargs:
+        raise TypeError(
+            f"Cannot pass this {type(data).__name__} to {type(model).__name__}.forward: its parameters "
+            f"({', '.join(p.name for p in params)}) name none of its attributes. Pass a zoomem.Batch(args=(...), "
+            "kwargs={...}) built as your training step calls the model."
+        )
     return tuple(args), kwargs
 
 
@@ -181,7 +190,10 @@ def _leaves(tree: Any) -> list[Any]:
     """pytree's leaves of ``tree``, with each PyG data object's values in its place."""
     out: list[Any] = []
     for leaf in pytree.tree_leaves(tree):
-        out.extend(v for _, v in _pyg_items(leaf)) if _is_pyg_data(leaf) else out.append(leaf)
+        if _is_pyg_data(leaf):
+            out.extend(v for _, v in _pyg_items(leaf))
+        else:
+            out.append(leaf)
     return out
 
 
