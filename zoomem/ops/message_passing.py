@@ -12,8 +12,8 @@ It applies only where both paths compute the same thing, checked on every call (
 list): no extra inputs but a constant ``edge_weight`` (the adjacency's values, for GCN's and GraphConv's sums), and
 a simple graph (no self-loops, no repeated edges) or a conv whose CSR path is known to take the others as its edge
 list does (:func:`_multigraph_rule`: GCN, GIN, GraphConv and GraphSAGE; GCN's replaced self-loops dropped first,
-repeated edges weighted by their count, or their weights summed, for a sum, kept once for a max or min, a mean's
-left to the edge list). A conv given ``(x_source, x_target)`` (a bipartite edge type: ``to_hetero``'s convs) gets a
+repeated edges weighted by their count, or their weights summed, for a sum, kept once for a max or min, counted by
+a mean on CPU). A conv given ``(x_source, x_target)`` (a bipartite edge type: ``to_hetero``'s convs) gets a
 targets-by-sources adjacency, where no edge is a self-loop. Every other conv class's ``message_and_aggregate`` is taken on
 trust for simple graphs, and checked: planning compares the form's output with the conv's own on the planning batch
 and leaves it off a conv where they differ or it fails (``Impl.checked``; GCN with ``improved=True``, whose edge
@@ -60,13 +60,16 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
     """How ``module``'s CSR path takes a graph with self-loops or repeated edges as its edge list does: whether
     self-loops are dropped first, and whether repeats become edge weights (their count: a sum) or one entry (a max
     or min: a repeat changes nothing); None where it cannot, or is not known to (every class but the four below,
-    whose paths PyG 2.8's code shows and the tests measure; subclasses may aggregate otherwise).
+    whose paths PyG 2.8's code shows and the tests measure; subclasses may aggregate otherwise), or, for a mean,
+    weights counted by the mean itself (:class:`_RouteReduceSpmm`'s ``mean_by``).
 
     GCN's normalisation drops a graph's self-loops and adds one a node (``add_remaining_self_loops`` without edge
     weights), where its CSR path would add one beside each: so they are dropped first. To the others a self-loop
     is an edge like any other on both paths. PyG builds a CSR matrix with one unit entry per edge pair, so a
     repeated edge would count once; with its count as the entry's value, GCN's degrees and every sum see it as
-    often as the edge list does. A mean divides by the entries of a row, not their values: no rule."""
+    often as the edge list does. A mean divides by the entries of a row, not their values: with repeated edges its
+    product is routed to the weighted sum over the row's weights (on CPU, where PyG's mean is ``torch.sparse.mm``'s
+    ``reduce``; elsewhere it divides by the entries itself: no rule)."""
     from torch_geometric.nn.conv import GCNConv, GINConv, GraphConv, SAGEConv
 
     if type(module) not in (GCNConv, GINConv, GraphConv, SAGEConv):
@@ -75,8 +78,8 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
     if drop_loops and module.improved:  # its edge list ignores ``improved`` (loops of weight 1), its CSR path not
         return None
     aggr = getattr(module, "aggr", None)
-    repeats = {"add": "weights", "sum": "weights", "max": "once", "min": "once"}.get(aggr) if isinstance(aggr, str) \
-        else None
+    repeats = {"add": "weights", "sum": "weights", "max": "once", "min": "once", "mean": "mean"}.get(aggr) \
+        if isinstance(aggr, str) else None
     return (drop_loops, repeats or "fail")
 
 
@@ -112,9 +115,9 @@ def _adjacency_edges(
         unique, counts = unique[keep], counts[keep]
     weights = None
     if counts.numel() and bool((counts > 1).any()):
-        if repeats == "fail":
+        if repeats == "fail" or (repeats == "mean" and edge_index.device.type != "cpu"):
             return None
-        if repeats == "weights":
+        if repeats in ("weights", "mean"):
             weights = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
     return edges(unique), weights
 
@@ -153,7 +156,11 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
         warnings.simplefilter("ignore", UserWarning)  # rows: targets, as PyG's adj_t
         adj_t = to_torch_csr_tensor(edges[0].flip(0), edges[1], size=(n if m is None else m, n))
-    with _RouteReduceSpmm(adj_t):
+    mean_by = None
+    if edges[1] is not None and weight is None and _multigraph_rule(module) == (False, "mean"):
+        mean_by = torch.zeros(adj_t.size(0), dtype=edges[1].dtype, device=edges[1].device).index_add_(
+            0, edges[0][1], edges[1]).clamp_(min=1).unsqueeze(-1)  # each target's edges, repeats counted
+    with _RouteReduceSpmm(adj_t, mean_by):
         return original(x, adj_t)
 
 
@@ -396,11 +403,13 @@ def _const_csr_product(adj: Any, x: Any) -> bool:
 class _RouteReduceSpmm(TorchFunctionMode):
     """Inside a conv's forward, sends ``torch.sparse.mm(adj, x, reduce)`` on our adjacency to
     :class:`_CsrSpmmReduce`, and ``torch.sparse.mm(a, x)`` on any constant CSR matrix (GCN normalises ours into
-    another) to :func:`_compact_product`, when ``x`` needs a gradient; every other call runs unchanged."""
+    another) to :func:`_compact_product`, when ``x`` needs a gradient; every other call runs unchanged. With
+    ``mean_by`` (our adjacency holds repeated edges' counts), a mean over it is its weighted sum divided by
+    ``mean_by``, each target's edges (the edge list's mean), gradient or not."""
 
-    def __init__(self, adj: torch.Tensor) -> None:
+    def __init__(self, adj: torch.Tensor, mean_by: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.adj = adj
+        self.adj, self.mean_by = adj, mean_by
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -410,6 +419,10 @@ class _RouteReduceSpmm(TorchFunctionMode):
         if func is torch.sparse.mm and args and args[0] is self.adj:
             other = args[1] if len(args) > 1 else kwargs.get("mat2")
             reduce = args[2] if len(args) > 2 else kwargs.get("reduce")
+            if reduce == "mean" and self.mean_by is not None:
+                total = _compact_product(self.adj, other) if _const_csr_product(self.adj, other) \
+                    else torch.sparse.mm(self.adj, other)
+                return total / self.mean_by.to(total.dtype)
             if (
                 reduce in _REDUCES
                 and isinstance(other, torch.Tensor)
