@@ -58,10 +58,11 @@ __all__ = ["register_message_passing_impl"]
 
 def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
     """How ``module``'s CSR path takes a graph with self-loops or repeated edges as its edge list does: whether
-    self-loops are dropped first, and whether repeats become edge weights (their count: a sum) or one entry (a max
-    or min: a repeat changes nothing); None where it cannot, or is not known to (every class but the four below,
-    whose paths PyG 2.8's code shows and the tests measure; subclasses may aggregate otherwise), or, for a mean,
-    weights counted by the mean itself (:class:`_RouteReduceSpmm`'s ``mean_by``).
+    self-loops are dropped first, and what a repeated edge becomes: ``"weights"`` (one entry holding its count: a
+    sum), ``"once"`` (one unit entry: a max or min, which a repeat does not change), ``"mean"`` (its count, the mean
+    routed to divide by the counts: :class:`_RouteReduceSpmm`'s ``mean_by``) or ``"fail"`` (the edge list runs).
+    None where the class's paths are not known to agree (every class but the four below, whose paths PyG 2.8's code
+    shows and the tests measure; subclasses may aggregate otherwise).
 
     GCN's normalisation drops a graph's self-loops and adds one a node (``add_remaining_self_loops`` without edge
     weights), where its CSR path would add one beside each: so they are dropped first. To the others a self-loop
