@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -84,12 +84,22 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
     return (drop_loops, repeats or "fail")
 
 
+class _Adjacency(NamedTuple):
+    edges: torch.Tensor
+    """``[2, E]`` (sources, targets), each pair once unless the graph is taken as it is."""
+    values: torch.Tensor | None
+    """Each entry's value (None: all 1)."""
+    mean_by: torch.Tensor | None = None
+    """For a mean over entries that hold repeated edges' counts: each target's edges, repeats counted
+    (:class:`_RouteReduceSpmm` divides the weighted sum by it)."""
+
+
 def _adjacency_edges(
     module: nn.Module, edge_index: torch.Tensor, num_nodes: int, weight: torch.Tensor | None = None,
     targets: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The edge list, and each edge's weight (None: all 1), whose CSR adjacency gives ``module`` what its own edge
-    list (with ``weight``, its ``edge_weight``) does; None where none does (:func:`_multigraph_rule`). A simple graph
+) -> _Adjacency | None:
+    """The edge list, and each entry's value, whose CSR adjacency gives ``module`` what its own edge list (with
+    ``weight``, its ``edge_weight``) does; None where none does (:func:`_multigraph_rule`). A simple graph
     (no self-loops, no repeated edges) without weights is taken as it is. Edge weights go to the sums of GCN and
     GraphConv, a repeated edge's summed; not with self-loops in GCN, whose edge list keeps a loop's own weight where
     its CSR path would add one to it. ``targets``: a bipartite graph's target nodes (``num_nodes`` its sources),
@@ -97,9 +107,12 @@ def _adjacency_edges(
     width = num_nodes if targets is None else targets
     keys = edge_index[0] * width + edge_index[1]
     loops = targets is None and bool((edge_index[0] == edge_index[1]).any())
-    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    if weight is None:
+        unique, counts = torch.unique(keys, return_counts=True)
+    else:
+        unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     if weight is None and not loops and unique.numel() == keys.numel():
-        return edge_index, None
+        return _Adjacency(edge_index, None)
     rule = _multigraph_rule(module)
     if rule is None:
         return None
@@ -110,17 +123,19 @@ def _adjacency_edges(
 
         if not isinstance(module, (GCNConv, GraphConv)) or repeats != "weights" or (drop_loops and loops):
             return None
-        return edges(unique), weight.new_zeros(unique.numel()).index_add_(0, inverse, weight)
+        return _Adjacency(edges(unique), weight.new_zeros(unique.numel()).index_add_(0, inverse, weight))
     if drop_loops and loops:
         keep = unique // width != unique % width
         unique, counts = unique[keep], counts[keep]
-    weights = None
-    if counts.numel() and bool((counts > 1).any()):
-        if repeats == "fail" or (repeats == "mean" and edge_index.device.type != "cpu"):
-            return None
-        if repeats in ("weights", "mean"):
-            weights = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
-    return edges(unique), weights
+    if not (counts.numel() and bool((counts > 1).any())) or repeats == "once":
+        return _Adjacency(edges(unique), None)
+    if repeats == "fail" or (repeats == "mean" and edge_index.device.type != "cpu"):
+        return None
+    values = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
+    if repeats == "weights":
+        return _Adjacency(edges(unique), values)
+    mean_by = torch.bincount(edge_index[1], minlength=width).clamp_(min=1).unsqueeze(-1)
+    return _Adjacency(edges(unique), values, mean_by)
 
 
 def _edge_weight(edge_index: torch.Tensor, args: tuple, kwargs: dict) -> tuple[bool, torch.Tensor | None]:
@@ -156,12 +171,8 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
         return original(x, edge_index, *args, **kwargs)
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
         warnings.simplefilter("ignore", UserWarning)  # rows: targets, as PyG's adj_t
-        adj_t = to_torch_csr_tensor(edges[0].flip(0), edges[1], size=(n if m is None else m, n))
-    mean_by = None
-    if edges[1] is not None and weight is None and _multigraph_rule(module) == (False, "mean"):
-        mean_by = torch.zeros(adj_t.size(0), dtype=edges[1].dtype, device=edges[1].device).index_add_(
-            0, edges[0][1], edges[1]).clamp_(min=1).unsqueeze(-1)  # each target's edges, repeats counted
-    with _RouteReduceSpmm(adj_t, mean_by):
+        adj_t = to_torch_csr_tensor(edges.edges.flip(0), edges.values, size=(n if m is None else m, n))
+    with _RouteReduceSpmm(adj_t, edges.mean_by):
         return original(x, adj_t)
 
 
