@@ -1049,7 +1049,11 @@ def test_message_passing_spmm_on_graphs_with_self_loops_and_repeated_edges(
         for compact in (False, True):
             torch.manual_seed(1)
             conv = make()
-            assert (mp._adjacency_edges(conv, edge_index, n) is not None) is csr
+            adj = mp._adjacency_edges(conv, edge_index, n)
+            assert (adj is not None) is csr
+            if adj is not None:  # sorted by target, then source, each pair once: the CSR's order, built unsorted
+                keys = adj.edges[1] * n + adj.edges[0]
+                assert bool((keys[1:] > keys[:-1]).all())
             if compact:
                 install_impl(conv, "message_passing_spmm")
             x = x0.clone().requires_grad_()

@@ -103,21 +103,22 @@ def _adjacency_edges(
     (no self-loops, no repeated edges) without weights is taken as it is. Edge weights go to the sums of GCN and
     GraphConv, a repeated edge's summed; not with self-loops in GCN, whose edge list keeps a loop's own weight where
     its CSR path would add one to it. ``targets``: a bipartite graph's target nodes (``num_nodes`` its sources),
-    where no edge is a self-loop."""
+    where no edge is a self-loop. The edges come back sorted by target, then source, each pair once unless a rule
+    keeps repeats: the order of the transposed adjacency's CSR entries (one sort, the unique's, builds it)."""
     width = num_nodes if targets is None else targets
-    keys = edge_index[0] * width + edge_index[1]
+    keys = edge_index[1] * num_nodes + edge_index[0]  # target-major: the unique's order is the CSR's
     loops = targets is None and bool((edge_index[0] == edge_index[1]).any())
     if weight is None:
         unique, counts = torch.unique(keys, return_counts=True)
     else:
         unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    edges = lambda k: torch.stack((k % num_nodes, k // num_nodes))  # noqa: E731
     if weight is None and not loops and unique.numel() == keys.numel():
-        return _Adjacency(edge_index, None)
+        return _Adjacency(edges(unique), None)
     rule = _multigraph_rule(module)
     if rule is None:
         return None
     drop_loops, repeats = rule
-    edges = lambda k: torch.stack((k // width, k % width))  # noqa: E731
     if weight is not None:
         from torch_geometric.nn.conv import GCNConv, GraphConv
 
@@ -125,7 +126,7 @@ def _adjacency_edges(
             return None
         return _Adjacency(edges(unique), weight.new_zeros(unique.numel()).index_add_(0, inverse, weight))
     if drop_loops and loops:
-        keep = unique // width != unique % width
+        keep = unique // num_nodes != unique % num_nodes
         unique, counts = unique[keep], counts[keep]
     if not (counts.numel() and bool((counts > 1).any())) or repeats == "once":
         return _Adjacency(edges(unique), None)
@@ -171,7 +172,8 @@ def _spmm_forward(module: nn.Module, original: Callable[..., Any], x: Any, edge_
         return original(x, edge_index, *args, **kwargs)
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off: we built it sorted
         warnings.simplefilter("ignore", UserWarning)  # rows: targets, as PyG's adj_t
-        adj_t = to_torch_csr_tensor(edges.edges.flip(0), edges.values, size=(n if m is None else m, n))
+        adj_t = to_torch_csr_tensor(edges.edges.flip(0), edges.values, size=(n if m is None else m, n),
+                                    is_coalesced=True)  # (sorted and unique already: one sort fewer)
     with _RouteReduceSpmm(adj_t, edges.mean_by):
         return original(x, adj_t)
 
