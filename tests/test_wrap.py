@@ -483,7 +483,7 @@ def test_a_chain_measured_while_planning_holds_what_training_holds() -> None:
     from zoomem.planner.costs import CostModel
     from zoomem.runtime.wrap import plan_points
 
-    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=8)
+    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=32)
     zoomem.wrap(model, 10**12, strategy="sqrt", adapter=adapter, batch=batch)
     handle = model._zoomem
     plan = next(iter(handle.plans.values()))
@@ -1049,6 +1049,28 @@ def test_a_model_called_on_a_pyg_data_object_plans_per_graph_size() -> None:
         model.zero_grad(set_to_none=True)
     _, grads, peak = _step(model, adapter, large)
     _assert_grads_close(grads, want, "GCN on a Data object")
+    assert len(model._zoomem.plans) == 2 and peak <= budget, (peak / plain, list(model._zoomem.plans))
+    zoomem.unwrap(model)
+
+
+def test_unfreezing_the_backbone_plans_again() -> None:
+    """Fine-tuning that trains the head on a frozen backbone, then unfreezes it: the frozen steps' plan holds
+    nothing of the backbone (its forward saves nothing for backward), so the first unfrozen step plans again and
+    trains within the budget, with plain PyTorch's gradients. Before, the cache keyed on the inputs only and the
+    unfrozen steps ran the frozen steps' plan, at twice the budget."""
+    model, adapter, batch = zoo.small("hf/bert-base-uncased", batch_size=32)
+    ref = copy.deepcopy(model)
+    _, want, plain = _step(ref, adapter, batch)
+    budget = int(0.6 * plain)
+    zoomem.wrap(model, budget, adapter=adapter)
+    backbone = [p for n, p in model.named_parameters() if not n.startswith("classifier")]
+    for trainable in (False, True):  # planned outside a meter, as a training loop's steps are
+        for p in backbone:
+            p.requires_grad_(trainable)
+        adapter.loss(model, batch, batch.call(model)).backward()
+        model.zero_grad(set_to_none=True)
+    _, grads, peak = _step(model, adapter, batch)
+    _assert_grads_close(grads, want, "BERT unfrozen")
     assert len(model._zoomem.plans) == 2 and peak <= budget, (peak / plain, list(model._zoomem.plans))
     zoomem.unwrap(model)
 

@@ -122,11 +122,25 @@ class _Planning:
     never fails for a refresh) or planning's (value ranges stand in): the plan's bits are measured no more."""
 
 
-def plan_key(batch: Batch, training: bool = True,
-             grads_held: bool = False) -> tuple[tuple, bool, bool]:  # type: ignore[type-arg]
+def plan_key(batch: Batch, training: bool = True, grads_held: bool = False,
+             frozen: tuple[int, ...] = ()) -> tuple[tuple, bool, bool, tuple[int, ...]]:  # type: ignore[type-arg]
     """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
-    train mode) and whether the step starts with the gradients held (a later micro-batch of accumulation)."""
-    return (Batch(batch.args, batch.kwargs).signature(), training, grads_held)
+    train mode), whether the step starts with the gradients held (a later micro-batch of accumulation) and which
+    parameters are frozen (:func:`_parameter_state`: a frozen backbone's forward saves nothing for backward, and
+    its plan would not hold the step once it trains)."""
+    return (Batch(batch.args, batch.kwargs).signature(), training, grads_held, frozen)
+
+
+def _parameter_state(model: nn.Module) -> tuple[bool, tuple[int, ...]]:
+    """Whether a parameter that requires a gradient holds one, and the positions in ``model.parameters()`` of
+    those that require none (one pass, each training step)."""
+    held, frozen = False, []
+    for i, p in enumerate(model.parameters()):
+        if not p.requires_grad:
+            frozen.append(i)
+        elif not held and p.grad is not None:
+            held = True
+    return held, tuple(frozen)
 
 
 @dataclass
@@ -251,13 +265,14 @@ class _Handle:
     def plan_for(self, batch: Batch, grads_held: bool | None = None) -> Plan:
         """The plan for a step on ``batch`` (made now if new). ``grads_held``: whether the step starts with the
         gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them)."""
-        first = plan_key(batch, self.model.training)
+        held, frozen = _parameter_state(self.model)
+        first = plan_key(batch, self.model.training, False, frozen)
         if grads_held is None:
-            grads_held = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
+            grads_held = held
             if grads_held and meter_busy(quiet=True) and (
                     first in self.plans or self._larger_plan(first)[1] is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
-        sig = first[:2] + (grads_held,)
+        sig = first[:2] + (grads_held, frozen)
         self.last_sig, self.runs_smaller = sig, sig in self.reused
         if self.held is not None and not self._held_waits():  # a refresh held a step's output gradient: it runs
             (held_sig, held), self.held = self.held, None       # now, on that step's batch (every rank: all held
@@ -302,9 +317,11 @@ class _Handle:
                 new.level or "auto", level=logging.WARNING,
             )
         recomputed = sum(u.decision != Decision.KEEP for u in new.units)
+        trainable = any(k[:3] == sig[:3] and k[3] != sig[3] for k in self.plans)
         _log_rank0(
-            "zoomem: planned %s for a new input signature%s: %d of %d units recomputed, predicted peak %.1f MiB "
+            "zoomem: planned %s for a new %s%s: %d of %d units recomputed, predicted peak %.1f MiB "
             "(PyTorch %.1f MiB)", type(self.model).__name__,
+            f"set of trainable parameters ({len(frozen)} frozen)" if trainable else "input signature",
             ", the step starting with the gradients held (gradient accumulation)" if grads_held else "", recomputed,
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
@@ -544,7 +561,8 @@ def _at_fastest(costs: CostModel, plan: Plan) -> bool:
 
 def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
     """:attr:`Plan.signature` of a plan made for the plan key ``key`` (:func:`plan_key`)."""
-    return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "")
+    frozen = f" with {len(key[3])} parameters frozen" if len(key) > 3 and key[3] else ""
+    return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "") + frozen
 
 
 def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
