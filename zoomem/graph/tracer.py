@@ -35,6 +35,7 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..measure import is_out_of_memory
 from ..ops import op_spec
+from ..ops.impls import training_scope
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 from .timeline import SegmentStat, measure_timeline
 
@@ -387,15 +388,15 @@ def trace(
 
     saved_grads = {p: p.grad for p in params}
     saved_buffers = [b.detach().clone() for b in buffers]
-    was_training = model.training
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     handles = []
     t_start = time.perf_counter()
+    modes = training_scope(model, train)  # through the timeline's run too
+    modes.__enter__()
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=rng_devices))
             stack.enter_context(torch.enable_grad())
-            model.train(train)
             for p in params:
                 p.grad = None
             for u in units:
@@ -453,7 +454,7 @@ def trace(
                 b.copy_(old)
         for p, g in saved_grads.items():
             p.grad = g
-        model.train(was_training)
+        modes.__exit__(None, None, None)
     step_time = time.perf_counter() - t_start
 
     role = {}
