@@ -1094,6 +1094,23 @@ def test_modules_the_user_put_in_eval_mode_stay_there() -> None:
     zoomem.unwrap(model)
 
 
+def test_the_users_forward_hooks_are_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A forward hook of the user's (collecting features for a distillation loss) runs in planning's forwards too,
+    before the step's own: a warning names its module, once, and says how to collect outputs so that the step's
+    own come last. Before, nothing said so (a hook appending to a list handed the loss a planning forward's
+    output, whose graph was gone: backward raised)."""
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=16)
+    calls: list[torch.Size] = []
+    model.layer2.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        zoomem.wrap(model, 0.99, adapter=adapter, batch=batch.take(8))
+        adapter.loss(model, batch, batch.call(model)).backward()  # a second plan: no second warning
+    warned = [r.getMessage() for r in caplog.records if "forward hooks" in r.getMessage()]
+    assert len(warned) == 1 and "on layer2 run in planning's forwards" in warned[0], warned
+    assert len(calls) > 2  # planning's forwards ran it
+    zoomem.unwrap(model)
+
+
 def test_a_pyg_data_object_as_the_planning_batch_goes_in_as_the_forward_takes_it() -> None:
     """``wrap(model, budget, batch=data)`` with a PyG data object: the object whole to ``forward(self, data)``,
     its attributes by the names of ``forward(self, x, edge_index, batch)``'s parameters, positionally as PyG's

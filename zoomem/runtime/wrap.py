@@ -176,6 +176,7 @@ class _Handle:
     outside units' forms (:data:`OUTSIDE_UNITS`)."""
     last_graph: OpGraph | None = None
     compile_warned: bool = False
+    hooks_warned: bool = False
     variants: dict[str, list[Plan]] = field(default_factory=dict)
     """Per plan signature, plans of a compression level made on batches of that signature whose forward saved other
     tensors than the plan's (control flow that depends on the batch's values): the store goes on with one of them
@@ -302,6 +303,7 @@ class _Handle:
         def make() -> Plan:
             return self._make_plan(batch, grads_held)
 
+        self._warn_of_hooks()
         with self.planning_scope():  # lossless: each rank its own plan, for its own inputs, with no collective
             new = from_rank0(make, _encode_plan, _decode_plan) if self.lossy else make()
         new.signature = _signature_text(sig)
@@ -326,6 +328,20 @@ class _Handle:
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def _warn_of_hooks(self) -> None:
+        """Warn, once, that the model's forward hooks (none are zoomem's) run in planning's forwards too."""
+        if self.hooks_warned:
+            return
+        hooked = _hooked_modules(self.model)
+        if hooked:
+            self.hooks_warned = True
+            _log_rank0(
+                "zoomem: forward hooks on %s run in planning's forwards too, before this step's own (and again where "
+                "backward recomputes a unit, as under torch.utils.checkpoint): a hook that collects every call's "
+                "output (a list it appends to) collects theirs too. Keep each module's last output instead (a dict "
+                "by module name: this step's own forward writes it last).", ", ".join(hooked[:3])
+                + (f" and {len(hooked) - 3} more modules" if len(hooked) > 3 else ""), level=logging.WARNING)
 
     def _held_waits(self) -> bool:
         """Whether the held step's refresh waits for its backward (:meth:`HeldOutputGrads.waits`), decided alike on
@@ -568,6 +584,16 @@ def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
 def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
     """Whether plans made with ``level`` or ``compress`` may store tensors lossily."""
     return compress is not None or (level is not None and level.lossy)
+
+
+def _hooked_modules(model: nn.Module) -> list[str]:
+    """The modules of ``model`` with forward hooks or pre-hooks (``"(every module)"`` first for global ones): code
+    outside zoomem's, which leaves none, that every forward of those modules runs."""
+    from torch.nn.modules import module as torch_module
+
+    hooked = ["(every module)"] if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks else []
+    return hooked + [name or "(the model)" for name, m in model.named_modules()
+                     if m._forward_hooks or m._forward_pre_hooks]
 
 
 def _model_device(model: nn.Module) -> torch.device:
