@@ -1105,9 +1105,40 @@ def test_the_users_forward_hooks_are_named_in_a_warning(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="zoomem"):
         zoomem.wrap(model, 0.99, adapter=adapter, batch=batch.take(8))
         adapter.loss(model, batch, batch.call(model)).backward()  # a second plan: no second warning
-    warned = [r.getMessage() for r in caplog.records if "forward hooks" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "module hooks" in r.getMessage()]
     assert len(warned) == 1 and "on layer2 run in planning's forwards" in warned[0], warned
     assert len(calls) > 2  # planning's forwards ran it
+    zoomem.unwrap(model)
+
+
+def test_the_optimizer_step_in_backward_runs_once_a_step() -> None:
+    """PyTorch's optimizer step in backward (a ``register_post_accumulate_grad_hook`` per parameter that steps its
+    optimizer) and a ``register_hook`` on each parameter: planning's backward passes call neither, so the wrapped
+    model takes the steps plain PyTorch takes, to the same weights. Before, planning's passes stepped the
+    optimizer 4 more times on the first batch."""
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=16)
+    reference = copy.deepcopy(model)
+    zoomem.wrap(model, 0.99, adapter=adapter)
+    calls = {}
+    for name, m in (("plain", reference), ("zoomem", model)):
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m.parameters()}
+        calls[name] = [0, 0]
+
+        def step(p: torch.Tensor, optimizers: dict = optimizers, name: str = name) -> None:
+            calls[name][0] += 1
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        def seen(grad: torch.Tensor, name: str = name) -> None:
+            calls[name][1] += 1
+
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(step)
+            p.register_hook(seen)
+        for _ in range(2):
+            adapter.loss(m, batch, batch.call(m)).backward()
+    assert calls["zoomem"] == calls["plain"] == [2 * len(list(model.parameters()))] * 2, calls
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     zoomem.unwrap(model)
 
 

@@ -248,14 +248,16 @@ class _Handle:
         """Plan or probe inside: the model's forward runs its original path, entered directly (a wrapper put on
         top of zoomem's, like Accelerate's mixed-precision one, is not re-entered: its autocast state is not
         re-entrant), and autocast's weight-cast cache is cleared afterwards (the planning forwards filled it, and
-        selective recomputation must see the same casts in the step as in its recomputation)."""
+        selective recomputation must see the same casts in the step as in its recomputation). The hooks on the
+        model's parameters are not called inside (:func:`parameter_hooks_off`)."""
         was_busy, self.busy = self.busy, True
         outer = self.model.__dict__.get("forward")
         swap = self.forward is not None and outer is not self.forward
         if swap:
             self.model.__dict__["forward"] = self.forward
         try:
-            yield
+            with parameter_hooks_off(self.model):
+                yield
         finally:
             if swap:
                 self.model.__dict__["forward"] = outer
@@ -330,17 +332,18 @@ class _Handle:
         return new
 
     def _warn_of_hooks(self) -> None:
-        """Warn, once, that the model's forward hooks (none are zoomem's) run in planning's forwards too."""
+        """Warn, once, that the model's module hooks (none are zoomem's) run in planning's passes too."""
         if self.hooks_warned:
             return
         hooked = _hooked_modules(self.model)
         if hooked:
             self.hooks_warned = True
             _log_rank0(
-                "zoomem: forward hooks on %s run in planning's forwards too, before this step's own (and again where "
-                "backward recomputes a unit, as under torch.utils.checkpoint): a hook that collects every call's "
-                "output (a list it appends to) collects theirs too. Keep each module's last output instead (a dict "
-                "by module name: this step's own forward writes it last).", ", ".join(hooked[:3])
+                "zoomem: module hooks on %s run in planning's forwards and backwards too, before this step's own "
+                "(and forward hooks again where backward recomputes a unit, as under torch.utils.checkpoint): a hook "
+                "that collects every call's output (a list it appends to) collects theirs too. Keep each module's "
+                "last output instead (a dict by module name: this step's own forward writes it last). Hooks on "
+                "parameters are not called in planning.", ", ".join(hooked[:3])
                 + (f" and {len(hooked) - 3} more modules" if len(hooked) > 3 else ""), level=logging.WARNING)
 
     def _held_waits(self) -> bool:
@@ -586,14 +589,39 @@ def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
     return compress is not None or (level is not None and level.lossy)
 
 
+@contextlib.contextmanager
+def parameter_hooks_off(model: nn.Module) -> Iterator[None]:
+    """Inside, the hooks on ``model``'s parameters (``register_hook``, ``register_post_accumulate_grad_hook``) are
+    not called: planning's backward passes are not training steps, and such hooks act on one (PyTorch's optimizer
+    step in backward steps there; until stop 53 planning stepped it 4 more times on the first batch). Their dicts
+    are emptied and refilled in place (autograd holds the dicts themselves), in their order, before any hook
+    registered inside and not removed."""
+    emptied = []
+    for p in model.parameters():
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks:
+                emptied.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, own in emptied:
+            added = dict(hooks)
+            hooks.clear()
+            hooks.update(own)
+            hooks.update(added)
+
+
 def _hooked_modules(model: nn.Module) -> list[str]:
-    """The modules of ``model`` with forward hooks or pre-hooks (``"(every module)"`` first for global ones): code
-    outside zoomem's, which leaves none, that every forward of those modules runs."""
+    """The modules of ``model`` with forward or backward hooks (``"(every module)"`` first for global ones): code
+    outside zoomem's, which leaves none, that every forward or backward of those modules runs."""
     from torch.nn.modules import module as torch_module
 
-    hooked = ["(every module)"] if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks else []
-    return hooked + [name or "(the model)" for name, m in model.named_modules()
-                     if m._forward_hooks or m._forward_pre_hooks]
+    every = (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    return (["(every module)"] if every else []) + [
+        name or "(the model)" for name, m in model.named_modules()
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -1453,7 +1481,7 @@ def plan(
     handle: _Handle | None = model.__dict__.get(_ATTR)
     native = _native_checkpointing_off(model, adapter, "zoomem.plan", "it is on again when the plan returns")
     try:
-        with handle.planning_scope() if handle is not None else contextlib.nullcontext(), \
+        with handle.planning_scope() if handle is not None else parameter_hooks_off(model), \
                 _skipping_logits(model, skip_logits):
             new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn,
                                                  time_limit, compress=options, level=lvl,
