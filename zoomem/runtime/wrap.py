@@ -580,7 +580,7 @@ def _at_fastest(costs: CostModel, plan: Plan) -> bool:
 
 def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
     """:attr:`Plan.signature` of a plan made for the plan key ``key`` (:func:`plan_key`)."""
-    frozen = f" with {len(key[3])} parameters frozen" if len(key) > 3 and key[3] else ""
+    frozen = f" with {len(key[3])} parameters frozen" if key[3] else ""
     return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "") + frozen
 
 
