@@ -1109,6 +1109,11 @@ def test_the_users_forward_hooks_are_named_in_a_warning(caplog: pytest.LogCaptur
     assert len(warned) == 1 and "on layer2 run in planning's forwards" in warned[0], warned
     assert len(calls) > 2  # planning's forwards ran it
     zoomem.unwrap(model)
+    from zoomem.runtime.wrap import _hooked_modules
+
+    hf, _, _ = zoo.small("hf/bert-base-uncased")
+    hf.enable_input_require_grads()  # PEFT's: changes only the output it is given, not warned of
+    assert _hooked_modules(hf) == []
 
 
 def test_the_optimizer_step_in_backward_runs_once_a_step() -> None:

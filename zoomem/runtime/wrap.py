@@ -617,11 +617,19 @@ def _hooked_modules(model: nn.Module) -> list[str]:
     outside zoomem's, which leaves none, that every forward or backward of those modules runs."""
     from torch.nn.modules import module as torch_module
 
-    every = (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    def kept(*dicts: dict) -> bool:  # type: ignore[type-arg]
+        return any(getattr(h, "__name__", None) not in _STATELESS_HOOKS for d in dicts for h in d.values())
+
+    every = kept(torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+                 torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
     return (["(every module)"] if every else []) + [
         name or "(the model)" for name, m in model.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        if kept(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
+
+
+_STATELESS_HOOKS = frozenset({"make_inputs_require_grads"})
+"""Hooks that change nothing but what they are given, left out of the warning: HF's ``enable_input_require_grads``
+(PEFT calls it) marks the embeddings' output as needing a gradient."""
 
 
 def _model_device(model: nn.Module) -> torch.device:
