@@ -1147,6 +1147,51 @@ def test_the_optimizer_step_in_backward_runs_once_a_step() -> None:
     zoomem.unwrap(model)
 
 
+def test_buffers_a_forward_assigns_anew_are_updated_once_a_step() -> None:
+    """A forward that updates its buffers by assigning new tensors (``self.ema = 0.9 * self.ema + ...``, not in
+    place as BatchNorm does): planning's forwards and backward's recomputations put each buffer back, object and
+    values, so after two steps they hold what plain PyTorch's two steps left. Before, only in-place updates were
+    undone: the step counters read 23 and 19 where plain PyTorch's read 2."""
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(256, 256)
+            self.register_buffer("ema", torch.zeros(256))
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                self.ema = 0.9 * self.ema + 0.1 * x.detach().mean((0, 1))
+                self.steps = self.steps + 1
+            return x + F.gelu(self.linear(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.mean(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(32, 64, 256), torch.randint(0, 10, (32,))
+    zoomem.wrap(model, 0.75)
+    for m in (reference, model):
+        for _ in range(2):
+            F.cross_entropy(m(x), y).backward()
+    assert any(u.decision != Decision.KEEP for p in model._zoomem.plans.values() for u in p.units)  # recomputed
+    assert [b.steps.item() for b in model.blocks] == [2] * 4
+    assert all(torch.equal(a, b) for a, b in zip(reference.buffers(), model.buffers()))
+    zoomem.unwrap(model)
+
+
 def test_a_pyg_data_object_as_the_planning_batch_goes_in_as_the_forward_takes_it() -> None:
     """``wrap(model, budget, batch=data)`` with a PyG data object: the object whole to ``forward(self, data)``,
     its attributes by the names of ``forward(self, x, edge_index, batch)``'s parameters, positionally as PyG's

@@ -21,6 +21,7 @@ from torch import nn
 from ..adapters import Unit
 from ..batch import Batch
 from ..measure import MemoryMeter
+from ..state import snapshot_buffers
 
 __all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_forward_excess", "measure_timeline", "meter_busy",
            "restored_state"]
@@ -152,8 +153,7 @@ def restored_state(model: nn.Module, batch: Batch, with_grads: bool = False) -> 
     the gradients are ``None``, or ``with_grads`` zeros of each trainable parameter's shape."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    buffers = list(model.buffers())
-    saved = [b.detach().clone() for b in buffers]
+    restore_buffers = snapshot_buffers(model)
     devices = sorted({t.device.index or 0 for t in params + batch.tensors() if t.device.type == "cuda"})
     try:
         for p in params:
@@ -161,9 +161,7 @@ def restored_state(model: nn.Module, batch: Batch, with_grads: bool = False) -> 
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
-        with torch.no_grad():
-            for b, old in zip(buffers, saved):
-                b.copy_(old)
+        restore_buffers()
         for p, g in zip(params, grads):
             p.grad = g
 

@@ -35,7 +35,7 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..measure import is_out_of_memory
 from ..ops import op_spec
-from ..ops.impls import training_scope
+from ..state import snapshot_buffers, training_scope
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 from .timeline import SegmentStat, measure_timeline
 
@@ -387,7 +387,7 @@ def trace(
         return h
 
     saved_grads = {p: p.grad for p in params}
-    saved_buffers = [b.detach().clone() for b in buffers]
+    restore_buffers = snapshot_buffers(model)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     handles = []
     t_start = time.perf_counter()
@@ -428,9 +428,7 @@ def trace(
         for h in handles:
             h.remove()
         handles.clear()
-        with torch.no_grad():  # the timeline run starts from the same state as the traced one
-            for b, old in zip(buffers, saved_buffers):
-                b.copy_(old)
+        restore_buffers()  # the timeline run starts from the same state as the traced one
         timeline = measure_timeline(model, batch, loss_fn, units) if memory else []
     except TraceError:
         raise
@@ -449,9 +447,7 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for b, old in zip(buffers, saved_buffers):
-                b.copy_(old)
+        restore_buffers()
         for p, g in saved_grads.items():
             p.grad = g
         modes.__exit__(None, None, None)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..measure import is_out_of_memory
+from ..state import restore_buffers, training_scope
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
 from .loss import record_head, routed_forward, tied_embedding
@@ -716,33 +717,14 @@ def scan_outputs(model: nn.Module, *args: Any, **kwargs: Any) -> OutputUses:
 
 
 @contextlib.contextmanager
-def training_scope(model: nn.Module, mode: bool = True) -> Iterator[None]:
-    """``model`` in train (``mode``) or eval mode inside, every module's own mode put back afterwards. A model
-    already in ``mode`` is left as it is: modules its user put in the other mode (a frozen backbone's BatchNorm in
-    eval, a teacher) stay there, as in its training steps, where ``model.train(mode)`` would switch every one."""
-    modes = [(m, m.training) for m in model.modules()]
-    if model.training != mode:
-        model.train(mode)
-    try:
-        yield
-    finally:
-        for m, was in modes:
-            m.training = was
-
-
-@contextlib.contextmanager
 def _probing(model: nn.Module) -> Iterator[None]:
     """Run a training forward of ``model`` inside (gradients on) that leaves no trace: its buffers (BatchNorm
     running statistics), every module's train/eval mode and the RNG state are put back afterwards."""
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     rng = _rng_state()
     try:
-        with training_scope(model), torch.enable_grad():
+        with restore_buffers(model), training_scope(model), torch.enable_grad():
             yield
     finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
         _set_rng_state(rng)
 
 

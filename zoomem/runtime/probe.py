@@ -32,7 +32,7 @@ from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
 from .capture import output_grad_loss, output_leaves
 from .distributed import all_reduce_mean, rank_mean, world_size
 from .storage import SavedTensorStore, _anchor, _tensors
-from .units import restore_buffers
+from ..state import restore_buffers
 
 __all__ = ["probe_saved", "held_by_caller", "liveness", "EXACT_READS"]
 

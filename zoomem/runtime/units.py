@@ -30,23 +30,12 @@ from ..graph.timeline import meter_busy, restored_state
 from ..measure import MemoryMeter
 from ..ops import op_spec
 from ..planner import EXPENSIVE_KINDS, Decision
+from ..state import restore_buffers
 from .chain import Chain, bring_back
 from .compact import UNIT_INNER
 from .patch import set_forward
 
-__all__ = ["measure_recompute_backward", "measure_recompute_rises", "restore_buffers", "run_unit"]
-
-@contextlib.contextmanager
-def restore_buffers(module: nn.Module) -> Iterator[None]:
-    """Put the unit's buffers back after recomputation: running statistics are updated once per step."""
-    buffers = [b for b in module.buffers() if b is not None]
-    saved = [b.detach().clone() for b in buffers]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, old in zip(buffers, saved):
-                b.copy_(old)
+__all__ = ["measure_recompute_backward", "measure_recompute_rises", "run_unit"]
 
 def _cheap_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     if op_spec(op).kind in EXPENSIVE_KINDS:

@@ -41,6 +41,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
+from ..state import restore_buffers
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
@@ -49,7 +50,7 @@ from .capture import HeldOutputGrads
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
-from .units import measure_recompute_backward, measure_recompute_rises, restore_buffers, run_unit
+from .units import measure_recompute_backward, measure_recompute_rises, run_unit
 
 __all__ = ["wrap", "unwrap", "plan", "is_wrapped", "disabled"]
 
