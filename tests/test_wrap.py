@@ -1540,7 +1540,9 @@ def test_the_zoos_own_checkpointing_is_turned_off_while_wrapped_and_back_on_afte
     Beneath a plan it recomputed every layer again, and the trace took that checkpointed step for plain PyTorch's
     (a 4-layer BERT's "plain" peak read 37.2 MiB instead of 106.3 at b16, so "60%" meant 60% of the former). wrap
     and plan turn it off with a warning, plan as without it, and turn it back on as the user had it, every other
-    layer here (unwrap; plan's return)."""
+    layer here (unwrap; plan's return). Turned on again after wrap (HF Trainer's ``gradient_checkpointing=True``
+    does so at ``train()``), the next training step turns it off, with a warning: beneath the plan its
+    recomputation failed in backward (``CheckpointError``) until stop 53."""
     import timm
 
     if zoo_name == "hf":
@@ -1577,6 +1579,14 @@ def test_the_zoos_own_checkpointing_is_turned_off_while_wrapped_and_back_on_afte
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     _assert_grads_close(grads, ref_grads, zoo_name)
     assert peak <= plan.budget_bytes
+    if zoo_name == "hf":  # on again after wrap, as HF Trainer's gradient_checkpointing=True does at train()
+        model.gradient_checkpointing_enable()
+    else:
+        model.set_grad_checkpointing(True)
+    with pytest.warns(UserWarning, match="zoomem's training step turned off .* own gradient checkpointing"):
+        _, grads, _ = _step(model, adapter, batch)
+    _assert_grads_close(grads, ref_grads, zoo_name)
+    assert not adapter.native_checkpointing(model)
     zoomem.unwrap(model)
     assert flags() == users
 

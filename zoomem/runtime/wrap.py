@@ -1651,7 +1651,15 @@ def wrap(
             return planned_uncompiled(*args, **kwargs)
         return planned(*args, **kwargs)
 
+    native_switches = [(m, flag) for m in model.modules() for flag in handle.adapter.native_flags if hasattr(m, flag)]
+
     def planned(*args: Any, **kwargs: Any) -> Any:
+        if any(getattr(m, flag, False) is True for m, flag in native_switches):  # the zoo's checkpointing, turned
+            native = _native_checkpointing_off(  # on since wrap (HF Trainer's gradient_checkpointing=True does at
+                model, handle.adapter, "zoomem's training step",  # train()): beneath a plan it fails in backward
+                "zoomem.unwrap turns it back on")
+            if native is not None:
+                handle.undo.append(native)
         batch = Batch(tuple(args), dict(kwargs))
         cut = batch.detached()  # what planning, refreshes and variants run on (never the caller's graph)
         plan = handle.plan_for(cut)
