@@ -1,9 +1,10 @@
-"""Putting back what a forward that is not the user's changes in the model: module modes and buffers.
+"""Leaving the model as its user had it across passes that are not the user's: module modes, buffers, hooks.
 
 Planning traces and measures training steps, probes run forwards, and recomputation runs a unit's forward again in
 backward; none of these is a training step of the user's, so each leaves the model as it found it. Buffers are put
 back as objects and values: a forward may update one in place (BatchNorm's running statistics) or assign it a new
-tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``).
+tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``). Hooks on parameters, which act on a training step (an
+optimizer stepped in backward), are not called in planning's passes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["restore_buffers", "snapshot_buffers", "training_scope"]
+__all__ = ["parameter_hooks_off", "restore_buffers", "snapshot_buffers", "training_scope"]
 
 
 @contextlib.contextmanager
@@ -56,3 +57,26 @@ def restore_buffers(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         restore()
+
+
+@contextlib.contextmanager
+def parameter_hooks_off(model: nn.Module) -> Iterator[None]:
+    """Inside, the hooks on ``model``'s parameters (``register_hook``, ``register_post_accumulate_grad_hook``) are
+    not called: planning's backward passes are not training steps, and such hooks act on one (PyTorch's optimizer
+    step in backward steps there; until stop 53 planning stepped it 4 more times on the first batch). Their dicts
+    are emptied and refilled in place (autograd holds the dicts themselves), in their order, before any hook
+    registered inside and not removed."""
+    emptied = []
+    for p in model.parameters():
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks:
+                emptied.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, own in emptied:
+            added = dict(hooks)
+            hooks.clear()
+            hooks.update(own)
+            hooks.update(added)

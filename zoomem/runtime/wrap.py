@@ -41,7 +41,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
-from ..state import restore_buffers
+from ..state import parameter_hooks_off, restore_buffers
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
@@ -250,7 +250,7 @@ class _Handle:
         top of zoomem's, like Accelerate's mixed-precision one, is not re-entered: its autocast state is not
         re-entrant), and autocast's weight-cast cache is cleared afterwards (the planning forwards filled it, and
         selective recomputation must see the same casts in the step as in its recomputation). The hooks on the
-        model's parameters are not called inside (:func:`parameter_hooks_off`)."""
+        model's parameters are not called inside (:func:`~zoomem.state.parameter_hooks_off`)."""
         was_busy, self.busy = self.busy, True
         outer = self.model.__dict__.get("forward")
         swap = self.forward is not None and outer is not self.forward
@@ -588,29 +588,6 @@ def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
 def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
     """Whether plans made with ``level`` or ``compress`` may store tensors lossily."""
     return compress is not None or (level is not None and level.lossy)
-
-
-@contextlib.contextmanager
-def parameter_hooks_off(model: nn.Module) -> Iterator[None]:
-    """Inside, the hooks on ``model``'s parameters (``register_hook``, ``register_post_accumulate_grad_hook``) are
-    not called: planning's backward passes are not training steps, and such hooks act on one (PyTorch's optimizer
-    step in backward steps there; until stop 53 planning stepped it 4 more times on the first batch). Their dicts
-    are emptied and refilled in place (autograd holds the dicts themselves), in their order, before any hook
-    registered inside and not removed."""
-    emptied = []
-    for p in model.parameters():
-        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
-            if hooks:
-                emptied.append((hooks, dict(hooks)))
-                hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, own in emptied:
-            added = dict(hooks)
-            hooks.clear()
-            hooks.update(own)
-            hooks.update(added)
 
 
 def _hooked_modules(model: nn.Module) -> list[str]:
