@@ -1114,6 +1114,10 @@ def test_the_users_forward_hooks_are_named_in_a_warning(caplog: pytest.LogCaptur
     hf, _, _ = zoo.small("hf/bert-base-uncased")
     hf.enable_input_require_grads()  # PEFT's: changes only the output it is given, not warned of
     assert _hooked_modules(hf) == []
+    import timm
+
+    features = timm.create_model("resnet18", features_only=True, feature_cls="hook")  # each module's last output
+    assert _hooked_modules(features) == []
 
 
 def test_the_optimizer_step_in_backward_runs_once_a_step() -> None:

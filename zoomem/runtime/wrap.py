@@ -596,7 +596,8 @@ def _hooked_modules(model: nn.Module) -> list[str]:
     from torch.nn.modules import module as torch_module
 
     def kept(*dicts: dict) -> bool:  # type: ignore[type-arg]
-        return any(getattr(h, "__name__", None) not in _STATELESS_HOOKS for d in dicts for h in d.values())
+        return any(getattr(getattr(h, "func", h), "__name__", None) not in _STATELESS_HOOKS  # (through a partial)
+                   for d in dicts for h in d.values())
 
     every = kept(torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
                  torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
@@ -605,9 +606,10 @@ def _hooked_modules(model: nn.Module) -> list[str]:
         if kept(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
 
 
-_STATELESS_HOOKS = frozenset({"make_inputs_require_grads"})
-"""Hooks that change nothing but what they are given, left out of the warning: HF's ``enable_input_require_grads``
-(PEFT calls it) marks the embeddings' output as needing a gradient."""
+_STATELESS_HOOKS = frozenset({"make_inputs_require_grads", "_collect_output_hook"})
+"""Hooks whose extra calls change nothing a step reads, left out of the warning: HF's ``enable_input_require_grads``
+(PEFT calls it) marks the embeddings' output as needing a gradient; timm's hook-based feature extractors
+(``features_only=True, feature_cls="hook"``) keep each module's last output, which the model's forward returns."""
 
 
 def _model_device(model: nn.Module) -> torch.device:
