@@ -15,22 +15,33 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["parameter_hooks_off", "restore_buffers", "snapshot_buffers", "training_scope"]
+__all__ = ["parameter_hooks_off", "restore_buffers", "set_training", "snapshot_buffers", "training_scope"]
+
+
+def set_training(model: nn.Module, mode: bool = True) -> Callable[[], None]:
+    """Put ``model`` in train (``mode``) or eval mode; the function returned puts every module's own mode back. A
+    model already in ``mode`` is left as it is: modules its user put in the other mode (a frozen backbone's
+    BatchNorm in eval, a teacher) stay there, as in its training steps, where ``model.train(mode)`` would switch
+    every one."""
+    modes = [(m, m.training) for m in model.modules()]
+    if model.training != mode:
+        model.train(mode)
+
+    def restore() -> None:
+        for m, was in modes:
+            m.training = was
+
+    return restore
 
 
 @contextlib.contextmanager
 def training_scope(model: nn.Module, mode: bool = True) -> Iterator[None]:
-    """``model`` in train (``mode``) or eval mode inside, every module's own mode put back afterwards. A model
-    already in ``mode`` is left as it is: modules its user put in the other mode (a frozen backbone's BatchNorm in
-    eval, a teacher) stay there, as in its training steps, where ``model.train(mode)`` would switch every one."""
-    modes = [(m, m.training) for m in model.modules()]
-    if model.training != mode:
-        model.train(mode)
+    """``model`` in ``mode`` inside (:func:`set_training`), every module's own mode put back afterwards."""
+    restore = set_training(model, mode)
     try:
         yield
     finally:
-        for m, was in modes:
-            m.training = was
+        restore()
 
 
 def snapshot_buffers(module: nn.Module) -> Callable[[], None]:

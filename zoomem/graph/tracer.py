@@ -35,7 +35,7 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..measure import is_out_of_memory
 from ..ops import op_spec
-from ..state import snapshot_buffers, training_scope
+from ..state import set_training, snapshot_buffers
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 from .timeline import SegmentStat, measure_timeline
 
@@ -391,8 +391,7 @@ def trace(
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     handles = []
     t_start = time.perf_counter()
-    modes = training_scope(model, train)  # through the timeline's run too
-    modes.__enter__()
+    restore_modes = set_training(model, train)  # through the timeline's run too
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=rng_devices))
@@ -450,7 +449,7 @@ def trace(
         restore_buffers()
         for p, g in saved_grads.items():
             p.grad = g
-        modes.__exit__(None, None, None)
+        restore_modes()
     step_time = time.perf_counter() - t_start
 
     role = {}

@@ -86,7 +86,7 @@ def _multigraph_rule(module: nn.Module) -> tuple[bool, str] | None:
 
 class _Adjacency(NamedTuple):
     edges: torch.Tensor
-    """``[2, E]`` (sources, targets), each pair once unless the graph is taken as it is."""
+    """``[2, E]`` (sources, targets), sorted by target, then source, each pair once."""
     values: torch.Tensor | None
     """Each entry's value (None: all 1)."""
     mean_by: torch.Tensor | None = None
@@ -100,12 +100,12 @@ def _adjacency_edges(
 ) -> _Adjacency | None:
     """The edge list, and each entry's value, whose CSR adjacency gives ``module`` what its own edge list (with
     ``weight``, its ``edge_weight``) does; None where none does (:func:`_multigraph_rule`). A simple graph
-    (no self-loops, no repeated edges) without weights is taken as it is. Edge weights go to the sums of GCN and
+    (no self-loops, no repeated edges) without weights is taken whole. Edge weights go to the sums of GCN and
     GraphConv, a repeated edge's summed; not with self-loops in GCN, whose edge list keeps a loop's own weight where
     its CSR path would add one to it. ``targets``: a bipartite graph's target nodes (``num_nodes`` its sources),
     where no edge is a self-loop. The edges come back sorted by target, then source, each pair once unless a rule
     keeps repeats: the order of the transposed adjacency's CSR entries (one sort, the unique's, builds it)."""
-    width = num_nodes if targets is None else targets
+    rows = num_nodes if targets is None else targets  # the transposed adjacency's: one per target
     keys = edge_index[1] * num_nodes + edge_index[0]  # target-major: the unique's order is the CSR's
     loops = targets is None and bool((edge_index[0] == edge_index[1]).any())
     if weight is None:
@@ -135,7 +135,7 @@ def _adjacency_edges(
     values = counts.to(torch.get_default_dtype())  # the dtype of PyG's unit entries
     if repeats == "weights":
         return _Adjacency(edges(unique), values)
-    mean_by = torch.bincount(edge_index[1], minlength=width).clamp_(min=1).unsqueeze(-1)
+    mean_by = torch.bincount(edge_index[1], minlength=rows).clamp_(min=1).unsqueeze(-1)
     return _Adjacency(edges(unique), values, mean_by)
 
 

@@ -29,10 +29,10 @@ from ..ops.attention import differentiable_attention
 from ..ops.functional import differentiable_hardsigmoid, norms_at_saved_statistics, separate_masks
 from ..ops.loss import cross_entropy, sensitivity_pass
 from ..planner.compression import SavedInfo, duplicate_of, floor_sensitivities
+from ..state import restore_buffers
 from .capture import output_grad_loss, output_leaves
 from .distributed import all_reduce_mean, rank_mean, world_size
 from .storage import SavedTensorStore, _anchor, _tensors
-from ..state import restore_buffers
 
 __all__ = ["probe_saved", "held_by_caller", "liveness", "EXACT_READS"]
 

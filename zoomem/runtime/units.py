@@ -37,6 +37,7 @@ from .patch import set_forward
 
 __all__ = ["measure_recompute_backward", "measure_recompute_rises", "run_unit"]
 
+
 def _cheap_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     if op_spec(op).kind in EXPENSIVE_KINDS:
         return CheckpointPolicy.MUST_SAVE
