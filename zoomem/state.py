@@ -3,7 +3,9 @@
 Planning traces and measures training steps, probes run forwards, and recomputation runs a unit's forward again in
 backward; none of these is a training step of the user's, so each leaves the model as it found it. Buffers are put
 back as objects and values: a forward may update one in place (BatchNorm's running statistics) or assign it a new
-tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``). Hooks on parameters, which act on a training step (an
+tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``). Their version counters stay as they were, as
+BatchNorm's own update leaves them: a graph of the step that saved them (an earlier forward whose backward comes
+later: a contrastive step's first view) must still find them unchanged. Hooks on parameters, which act on a training step (an
 optimizer stepped in backward), are not called in planning's passes.
 """
 
@@ -54,7 +56,7 @@ def snapshot_buffers(module: nn.Module) -> Callable[[], None]:
         with torch.no_grad():
             for m, name, b, old in held:
                 m._buffers[name] = b
-                b.copy_(old)
+                b.data.copy_(old)  # (not `b`'s version: a graph of the step that saved it holds these values)
 
     return restore
 
