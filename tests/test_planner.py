@@ -100,6 +100,32 @@ def test_ilp_is_optimal_against_brute_force(bert_costs: CostModel, max_chain: in
         assert best - 1e-9 <= t <= best * (1 + MIP_GAP) + 1e-9, (frac, decisions, t, best)
 
 
+@pytest.mark.parametrize("floor_share", [0.0, 1.0])
+def test_a_step_of_two_forwards_plans_room_for_the_other(bert_costs: CostModel, floor_share: float) -> None:
+    """With another forward of the step holding what this plan's forward leaves (``CostModel.others``), or a floor
+    where the one before it holds more, every point holds that much more than one forward's; the ILP's plan is the
+    best of every valid decision under those peaks (the program's own variable for what the forward leaves agrees
+    with ``point_bytes``)."""
+    import dataclasses
+
+    keep = {u: Decision.KEEP for u in bert_costs.units}
+    costs = dataclasses.replace(bert_costs, others=1)
+    left = costs.left_bytes(keep)
+    costs.others_floor = int(floor_share * left)
+    assert left > 0 and (costs.point_bytes(keep) == bert_costs.point_bytes(keep) + left).all()
+    everything = [(d, costs.peak(d), costs.recompute_time(d)) for d in _choices(costs)]
+    floor, top = min(p for _, p, _ in everything), max(p for _, p, _ in everything)
+    assert floor > bert_costs.peak({u: Decision.RECOMPUTE for u in costs.units})  # the other forward's part
+    for frac in (0.0, 0.5, 0.9):
+        budget = int(floor + frac * (top - floor))
+        best = min(t for _, p, t in everything if p <= budget)
+        choice, info = _decisions_ilp(costs, budget)
+        assert choice is not None and info["status"] == "optimal", info
+        assert costs.peak(choice[0]) <= budget
+        t = costs.recompute_time(choice[0])
+        assert best - 1e-9 <= t <= best * (1 + MIP_GAP) + 1e-9, (frac, choice[0], t, best)
+
+
 def test_plan_reports_its_solver_status_and_bound(bert_costs: CostModel) -> None:
     baseline = bert_costs.peak({u: Decision.KEEP for u in bert_costs.units})
     plan = make_plan(bert_costs, int(baseline * 0.8))

@@ -1075,6 +1075,44 @@ def test_unfreezing_the_backbone_plans_again() -> None:
     zoomem.unwrap(model)
 
 
+def test_a_step_of_two_forwards_before_its_backward_plans_for_both() -> None:
+    """A contrastive step runs the model on two views and differentiates one loss of both: the first view's saved
+    tensors stay through the second's forward and backward. Its second forward finds the first in flight, and the
+    plans from then on leave room for two, within the budget, with plain PyTorch's gradients; a forward whose
+    output is dropped without backward counts for nothing. Before, the plan was made for one forward (nothing
+    recomputed: ResNet-18 ran its two views at 1.43x the budget), and planning in the middle of the step put the
+    BatchNorm statistics back with a version bump, so the first view's backward raised."""
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=64)
+    views = (batch.args[0], batch.args[0].flip(-1))
+
+    def step(m: nn.Module) -> tuple[dict, int]:
+        with zoomem.MemoryMeter(m) as meter:
+            a, b = (torch.nn.functional.normalize(m(v)) for v in views)
+            torch.nn.functional.cross_entropy(a @ b.t() / 0.1, torch.arange(len(a))).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return grads, meter.report.peak_bytes
+
+    reference = copy.deepcopy(model)
+    budget = int(0.7 * step(copy.deepcopy(model))[1])
+    zoomem.wrap(model, budget, adapter=adapter)
+    for m in (reference, model):
+        m(views[0])  # (dropped unused)
+        adapter.loss(m, batch, batch.call(m)).backward()  # one forward to a backward: planned for one
+        m.zero_grad(set_to_none=True)
+        assert m is reference or m._zoomem.forwards == 1
+        for _ in range(2):  # the first discovers the second forward, outside a meter as a training loop's are
+            a, b = (torch.nn.functional.normalize(m(v)) for v in views)
+            torch.nn.functional.cross_entropy(a @ b.t() / 0.1, torch.arange(len(a))).backward()
+            m.zero_grad(set_to_none=True)
+    want, plain = step(reference)
+    grads, peak = step(model)
+    _assert_grads_close(grads, want, "ResNet-18's two views")
+    assert model._zoomem.forwards == 2 and peak <= budget, (peak / plain, list(model._zoomem.plans))
+    assert all(torch.equal(a, b) for a, b in zip(reference.buffers(), model.buffers()))
+    zoomem.unwrap(model)
+
+
 def test_modules_the_user_put_in_eval_mode_stay_there() -> None:
     """A model that trains with its BatchNorm layers in eval mode (frozen statistics, as fine-tuned detection and
     segmentation backbones run): planning traces and measures the step as it runs, and leaves every module's mode

@@ -111,6 +111,18 @@ class CostModel:
     grads_held: bool = False
     """The step starts with the gradients present (a later micro-batch of gradient accumulation); the points count
     them (:func:`zoomem.runtime.wrap.cost_model`)."""
+    held_grad_bytes: int = 0
+    """The gradients' bytes :attr:`grads_held` put on every point (0 where they are DDP's buckets, in the fixed
+    bytes)."""
+    others: int = 0
+    """Other training forwards of the model that a step runs before its backward (a contrastive step's second
+    view, a GAN discriminator's real and fake batches), each holding what this plan's forward leaves: every point
+    holds that as many times more (:meth:`left_index`), or :attr:`others_floor` where that is more. The last
+    forward's backward runs first (autograd runs the later nodes first), while the others hold everything; the
+    optimizer's step comes after every backward."""
+    others_floor: int = 0
+    """The least bytes each of :attr:`others` holds: where the forwards before this one hold more than it leaves
+    (a step's smaller crops, planned to keep more, before its larger ones)."""
     ddp_bytes: int = 0
     """DDP's gradient buckets (:func:`zoomem.runtime.distributed.bucket_bytes`), part of :attr:`fixed_bytes`: held
     for the whole step where the model trains inside a ``DistributedDataParallel``."""
@@ -824,7 +836,28 @@ class CostModel:
             values -= m["gain_keep"][:, i] if keep[i] else m["gain_rec"][:, i]
         if bits:
             values -= self.compress_gain_rows(bits)
+        left = self.left_index()
+        if self.others and left is not None:
+            values += self.others * max(float(self.others_floor), values[left] - self.held_grad_bytes)
         return values
+
+    def left_bytes(self, decisions: dict[str, Decision], compact: frozenset[str] = frozenset(),
+                   bits: dict[str, int] | None = None) -> int:
+        """Bytes a plan's forward leaves for its backward (:meth:`left_index`), the gradients held left out."""
+        left = self.left_index()
+        if left is None:
+            return 0
+        others, self.others = self.others, 0
+        try:
+            return max(0, int(round(self.point_bytes(decisions, compact, bits)[left])) - self.held_grad_bytes)
+        finally:
+            self.others = others
+
+    def left_index(self) -> int | None:
+        """The point whose bytes a forward leaves for its backward: the backward's start, where the head's (the
+        code after the last unit: output layers, loss) begins; ``None`` where no backward was measured."""
+        starts = [i for i, p in enumerate(self.points) if p.phase == "recompute"]
+        return max(starts, key=lambda i: self.points[i].seg, default=None)
 
     def check_chain(self, decisions: dict[str, Decision]) -> None:
         """Raise if a ``RECOMPUTE_CHAIN`` unit cannot drop its input: not eligible, or its previous unit is kept."""

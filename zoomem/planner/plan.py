@@ -90,6 +90,12 @@ class Plan:
             the output the loop holds, the step's scratch); 0 where planning had no optimizer.
         ddp_bytes: DDP's gradient buckets, part of ``fixed_bytes`` (0 outside DDP): a flat copy of the gradients
             that ``DistributedDataParallel`` holds for good.
+        forwards: training forwards a step runs before its backward, which the plan leaves room for (each other
+            one holding at least what this plan's forward leaves, ``left_bytes``, and ``others_floor``).
+        left_bytes: predicted bytes this plan's forward leaves for its backward (above the fixed ones, the
+            gradients left out): what it holds while a step's other forwards run.
+        others_floor: the least bytes the plan takes each other forward of the step to hold (0: as much as its
+            own forward leaves): what the forwards before it held where they hold more.
         saved: the saved tensors the plan was made from (key, shape, bytes, sensitivity), for inspection.
         saves: for a lossy plan, every saved-tensor key -> what the planned forward saved under it (shape and
             dtype, :func:`~zoomem.runtime.storage.save_sig`): a training forward whose saves differ (control flow
@@ -120,6 +126,9 @@ class Plan:
     compress_scale: float = 1.0
     optimizer_bytes: int = 0
     ddp_bytes: int = 0
+    forwards: int = 1
+    left_bytes: int = 0
+    others_floor: int = 0
     saved: list[dict[str, Any]] = field(default_factory=list)
     saves: dict[str, str] = field(default_factory=dict)
     traced_at: list[int] = field(default_factory=list)

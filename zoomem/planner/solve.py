@@ -351,6 +351,7 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
     peak = pulp.LpVariable("peak", 0) if limit is None else None
     at_start = [model.packed_at_start(p, phases) for p in model.points]  # lossy tensors all packed there
     gone = dict(zip((s.key for s in model.saved), model.gone_at_start()))
+    exprs = []
     for i, p in enumerate(model.points):
         expr = p.measured - (model.outside_gain[i] * switch if model.outside_gain else 0) + pulp.lpSum(
             k * held_term(s, i) for s, k in model._coefficients(p))
@@ -388,8 +389,16 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
             expr -= pulp.lpSum(gains)
         if (p.phase, p.seg) in gain:
             expr -= gain[p.phase, p.seg]
+        exprs.append(expr)
+    left = model.left_index() if model.others else None
+    others: pulp.LpVariable | int = 0  # in MiB: what each other forward of the step holds (CostModel.others)
+    if left is not None:  # at least what this plan's forward leaves, and the floor
+        others = pulp.LpVariable("left_by_forward", model.others_floor * _PER_MIB)
+        prob += others >= (exprs[left] - model.held_grad_bytes) * _PER_MIB
+    for expr in exprs:
         # in MiB: byte-sized coefficients (1e9 and more) against 0-1 variables defeat the solver's tolerances
-        prob += expr * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
+        prob += expr * _PER_MIB + model.others * others <= (
+            peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
     if model.optimizer_bytes:  # the optimizer's step: what the backward leaves, less with the outside forms on
         step = model.optimizer_bytes - (model.optimizer_gain * switch if model.outside_gain else 0)
         prob += step * _PER_MIB <= (peak if peak is not None else (limit - model.fixed_bytes) * _PER_MIB)
@@ -572,6 +581,8 @@ def make_plan(
             f"{baseline / _MIB:.1f} MiB, of which {model.fixed_bytes / _MIB:.1f} MiB are parameters, buffers, the "
             "batch and the optimizer's state"
             + (f" and DDP's gradient buckets ({model.ddp_bytes / _MIB:.1f} MiB)" if model.ddp_bytes else "")
+            + (f"; the step runs {model.others + 1} forwards before its backward, each holding what it leaves until "
+               "then" if model.others else "")
             + (f"; its step needs {(model.fixed_bytes + least_step) / _MIB:.1f} MiB, the gradients, the output "
                f"and {model.optimizer_scratch / _MIB:.1f} MiB of its own scratch included" if least_step else "")
             + ("; a fused optimizer (`fused=True` where it has one) allocates no scratch"
@@ -612,6 +623,9 @@ def make_plan(
         compress_scale=model.compress_scale,
         optimizer_bytes=model.optimizer_step(frozenset(compact)),
         ddp_bytes=model.ddp_bytes,
+        forwards=model.others + 1,
+        left_bytes=model.left_bytes(decisions, compact, bits),
+        others_floor=model.others_floor,
         saved=[s.to_dict() for s in model.saved],
         step_s=model.step_s,
         solver=info.get("solver", ""),

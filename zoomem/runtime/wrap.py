@@ -47,6 +47,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import HANDLE, set_forward
 from .capture import HeldOutputGrads
+from .inflight import InFlight
 from .probe import probe_saved
 from .storage import SavedTensorStore, save_sigs
 from .chain import Chain, Recipe
@@ -123,13 +124,15 @@ class _Planning:
     never fails for a refresh) or planning's (value ranges stand in): the plan's bits are measured no more."""
 
 
-def plan_key(batch: Batch, training: bool = True, grads_held: bool = False,
-             frozen: tuple[int, ...] = ()) -> tuple[tuple, bool, bool, tuple[int, ...]]:  # type: ignore[type-arg]
+def plan_key(batch: Batch, training: bool = True, grads_held: bool = False, frozen: tuple[int, ...] = (),
+             forwards: int = 1, floor: int = 0) -> tuple[tuple, bool, bool, tuple[int, ...], int, int]:  # type: ignore[type-arg]
     """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
-    train mode), whether the step starts with the gradients held (a later micro-batch of accumulation) and which
+    train mode), whether the step starts with the gradients held (a later micro-batch of accumulation), which
     parameters are frozen (:func:`_parameter_state`: a frozen backbone's forward saves nothing for backward, and
-    its plan would not hold the step once it trains)."""
-    return (Batch(batch.args, batch.kwargs).signature(), training, grads_held, frozen)
+    its plan would not hold the step once it trains), how many training forwards a step runs before its
+    backward (:class:`~.inflight.InFlight`: each holds what its forward leaves while the others run) and the least
+    bytes each other one holds (``floor``: what the forwards before it hold, where that is more than it leaves)."""
+    return (Batch(batch.args, batch.kwargs).signature(), training, grads_held, frozen, forwards, floor)
 
 
 def _parameter_state(model: nn.Module) -> tuple[bool, tuple[int, ...]]:
@@ -203,6 +206,10 @@ class _Handle:
     last_sig: tuple | None = None  # type: ignore[type-arg]
     runs_smaller: bool = False
     """The plan :meth:`plan_for` gave last was made for larger inputs than the step's (:meth:`_larger_plan`)."""
+    in_flight: InFlight = field(default_factory=InFlight)
+    forwards: int = 1
+    """The most training forwards a step of this model has run before its backward (:class:`~.inflight.InFlight`):
+    every plan from then on leaves room for as many, each holding what its forward leaves."""
     compress_scales: dict[tuple, float | None] = field(default_factory=dict)
     """Per input signature and training mode, the scale of lossy prices (:func:`_compression_scale`; ``None`` where
     it could not be measured): one measurement for every plan of that step, so that plans at different budgets are
@@ -266,17 +273,18 @@ class _Handle:
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
 
-    def plan_for(self, batch: Batch, grads_held: bool | None = None) -> Plan:
+    def plan_for(self, batch: Batch, grads_held: bool | None = None, floor: int = 0) -> Plan:
         """The plan for a step on ``batch`` (made now if new). ``grads_held``: whether the step starts with the
-        gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them)."""
+        gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them);
+        ``floor``: the least bytes each other forward of the step holds (:func:`plan_key`)."""
         held, frozen = _parameter_state(self.model)
-        first = plan_key(batch, self.model.training, False, frozen)
+        first = plan_key(batch, self.model.training, False, frozen, self.forwards, floor)
         if grads_held is None:
             grads_held = held
             if grads_held and meter_busy(quiet=True) and (
                     first in self.plans or self._larger_plan(first)[1] is not None):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
-        sig = first[:2] + (grads_held, frozen)
+        sig = first[:2] + (grads_held,) + first[3:]
         self.last_sig, self.runs_smaller = sig, sig in self.reused
         if self.held is not None and not self._held_waits():  # a refresh held a step's output gradient: it runs
             (held_sig, held), self.held = self.held, None       # now, on that step's batch (every rank: all held
@@ -304,7 +312,7 @@ class _Handle:
                        every_rank=not self.lossy)
             return larger
         def make() -> Plan:
-            return self._make_plan(batch, grads_held)
+            return self._make_plan(batch, sig)
 
         self._warn_of_hooks()
         with self.planning_scope():  # lossless: each rank its own plan, for its own inputs, with no collective
@@ -327,10 +335,34 @@ class _Handle:
             "zoomem: planned %s for a new %s%s: %d of %d units recomputed, predicted peak %.1f MiB "
             "(PyTorch %.1f MiB)", type(self.model).__name__,
             f"set of trainable parameters ({len(frozen)} frozen)" if trainable else "input signature",
-            ", the step starting with the gradients held (gradient accumulation)" if grads_held else "", recomputed,
+            (", the step starting with the gradients held (gradient accumulation)" if grads_held else "")
+            + (f", {sig[4]} forwards before each backward" if sig[4] > 1 else ""), recomputed,
             len(new.units), new.predicted_peak_bytes / _MIB, new.baseline_peak_bytes / _MIB, every_rank=not self.lossy,
         )
         return new
+
+    def after_others(self, batch: Batch, plan: Plan) -> Plan:
+        """The plan for a forward on ``batch`` that follows others of its step: ``plan`` where it leaves room for
+        what they hold (each as much as its own forward leaves, or its floor), else one made with that floor
+        (:func:`plan_key`): a step's smaller crops, planned to keep more, before its larger ones. Where none fits,
+        ``plan``, with a warning (once per plan): the step peaks up to that difference above the budget."""
+        n = self.forwards - 1
+        held = self.in_flight.held_bytes(self.forwards)
+        floor = -(-held // n)
+        if held <= n * max(plan.left_bytes, plan.others_floor) or floor >= plan.extras.get("no_floor", floor + 1):
+            return plan
+        try:
+            return self.plan_for(batch, floor=floor)
+        except InfeasibleBudgetError as err:
+            plan.extras["no_floor"] = floor  # (a higher floor fits no better: not planned again)
+            if not plan.extras.get("floor_warned"):
+                plan.extras["floor_warned"] = True
+                _log_rank0("zoomem: the forwards of this step before this one hold %.1f MiB, more than its plan "
+                           "leaves room for (%.1f MiB), and no plan fits beside them (%s): this forward runs its "
+                           "plan, and the step may peak up to %.1f MiB above the budget", held / _MIB,
+                           n * plan.left_bytes / _MIB, err, (held - n * plan.left_bytes) / _MIB,
+                           level=logging.WARNING)
+            return plan
 
     def _warn_of_hooks(self) -> None:
         """Warn, once, that the model's module hooks (none are zoomem's) run in planning's passes too."""
@@ -385,7 +417,7 @@ class _Handle:
 
                 def make() -> Plan:
                     with self.planning_scope():
-                        new = self._make_plan(batch, top[2])
+                        new = self._make_plan(batch, top)
                     planning = new.extras.pop("_planning", None)  # (no refresh: see above)
                     if planning is not None:
                         new.saves = save_sigs(planning.infos)
@@ -410,12 +442,13 @@ class _Handle:
             with self.planning_scope():
                 install_impls(self, choose_impls(self.model, self.units, batch, outside=True))
 
-    def _make_plan(self, batch: Batch, grads_held: bool) -> Plan:
-        """A plan for a step on ``batch`` under this wrap's settings (call inside :meth:`planning_scope`)."""
+    def _make_plan(self, batch: Batch, sig: tuple) -> Plan:  # type: ignore[type-arg]
+        """A plan for a step on ``batch`` under this wrap's settings, for the plan key ``sig`` (:func:`plan_key`:
+        the gradients held or not, the forwards before each backward); call inside :meth:`planning_scope`."""
         return _seeing_the_loss(lambda: _make(
             self.model, batch, self.budget, self.strategy, self.adapter, self.optimizer, self.loss_fn,
             self.time_limit, compress=self.compress, level=self.level, trace_batch_size=self.trace_batch_size,
-            grads_held=grads_held))
+            grads_held=sig[2], others=sig[4] - 1, others_floor=sig[5]))
 
     def left_its_saves(self, sig: tuple, batch: Batch) -> None:  # type: ignore[type-arg]
         """A training forward on ``batch`` saved other tensors than its plan's forward and its variants' (the store
@@ -444,7 +477,7 @@ class _Handle:
         self.variant_tries[primary.signature] = self.variant_tries.get(primary.signature, 0) + 1
         try:
             with self.planning_scope():
-                new = self._make_plan(batch, sig[2])
+                new = self._make_plan(batch, sig)
         except Exception as exc:  # noqa: BLE001 - such batches go on storing exactly from where they differ
             _release_memory()
             _log_rank0("zoomem: planning a variant for batches whose forward saves other tensors failed (%s)",
@@ -582,7 +615,10 @@ def _at_fastest(costs: CostModel, plan: Plan) -> bool:
 def _signature_text(key: tuple) -> str:  # type: ignore[type-arg]
     """:attr:`Plan.signature` of a plan made for the plan key ``key`` (:func:`plan_key`)."""
     frozen = f" with {len(key[3])} parameters frozen" if key[3] else ""
-    return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "") + frozen
+    forwards = f", {key[4]} forwards before each backward" if key[4] > 1 else ""
+    if key[5]:
+        forwards += f" (each other one holding at least {key[5] / _MIB:.1f} MiB)"
+    return repr(key[0]) + (" with the gradients held (a later micro-batch)" if key[2] else "") + frozen + forwards
 
 
 def _lossy(level: Level | None, compress: CompressOptions | None) -> bool:
@@ -781,7 +817,7 @@ def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat])
     A point that timeline lacks gets the gradients' bytes whole. Where the gradients are DDP's buckets
     (``costs.grads_in_buckets``), counted in the fixed bytes, each point is what ``timeline`` has there: the
     backward makes no gradient of its own (DDP copies each into its bucket and frees it)."""
-    grads = 0 if costs.grads_in_buckets else _grad_bytes(model)
+    grads = costs.held_grad_bytes = 0 if costs.grads_in_buckets else _grad_bytes(model)
     held = {(p.phase, p.seg): p.measured + grads for p in _points(timeline, len(costs.units) + 1)}
     for p in costs.points:
         at = held.get((p.phase, p.seg), p.measured + grads)
@@ -829,6 +865,8 @@ def _make(
     level: Level | None = None,
     trace_batch_size: int | None = None,
     grads_held: bool = False,
+    others: int = 0,
+    others_floor: int = 0,
 ) -> Plan:
     handle = model.__dict__.get(_ATTR)
     units = adapter.units(model)
@@ -838,6 +876,7 @@ def _make(
         batch, adapter, scale, "tracing the step",
         lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph, lossy, grads_held) if s is None
         else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s, lossy, grads_held))
+    costs.others, costs.others_floor = others, others_floor
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -902,7 +941,7 @@ def _make(
         try:
             plan = _make(model, batch, budget_bytes, strategy, adapter, optimizer, loss_fn, time_limit,
                          graph=graph if scale is None else None, trace_batch_size=trace_batch_size,
-                         grads_held=grads_held)
+                         grads_held=grads_held, others=others, others_floor=others_floor)
         except InfeasibleBudgetError as lossless_err:
             raise (lossless_err if lossless_err.min_budget < err.min_budget else err) from None
         logger.info("zoomem: no plan storing tensors in fewer bits fits %.1f MiB; a lossless one does",
@@ -1337,6 +1376,9 @@ def _measured_peak(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Ad
     if not timeline:
         return None
     held = _grad_bytes(handle.model) if costs.grads_held and not costs.grads_in_buckets else 0
+    if costs.others:  # the step's other forwards hold what this one leaves (CostModel.others)
+        held += costs.others * max(costs.others_floor,
+                                   next((t.start_bytes for t in timeline if t.phase != "forward"), 0))
     return costs.fixed_bytes + max(held + max(t.peak_bytes for t in timeline),
                                    costs.optimizer_step(_compact_of(candidate)))
 
@@ -1402,6 +1444,11 @@ def _check_trace_batch_size(n: int | None) -> None:
                          f"least 2 samples) or None, got {n!r}.")
 
 
+def _check_forwards(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"forwards_per_step must be a whole number of training forwards >= 1, got {n!r}.")
+
+
 def _check_strategy(strategy: str) -> None:
     if strategy != "ilp" and strategy not in STRATEGIES:
         raise ValueError(f"Could not resolve strategy {strategy!r} among choices {['ilp', *STRATEGIES]}.")
@@ -1425,6 +1472,7 @@ def plan(
     level: str | None = None,
     trace_batch_size: int | None = None,
     skip_logits: bool | None = None,
+    forwards_per_step: int = 1,
     batch_size: int = 2,
     **sizes: int,
 ) -> Plan:
@@ -1449,6 +1497,8 @@ def plan(
             to the batch; see :func:`wrap`.
         skip_logits: plan the step as :func:`wrap` with ``skip_logits`` runs it; ``None``: as ``model`` is wrapped
             (``False`` for a model that is not).
+        forwards_per_step: training forwards of the model a step runs before its backward, each on a batch like
+            ``batch``; see :func:`wrap`.
 
     Returns:
         The :class:`Plan` (``plan.summary()``, ``plan.to_json()``).
@@ -1462,6 +1512,7 @@ def plan(
     """
     _check_strategy(strategy)
     _check_trace_batch_size(trace_batch_size)
+    _check_forwards(forwards_per_step)
     options, lvl = _check_compression(budget, compress, level, strategy)
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
@@ -1473,7 +1524,7 @@ def plan(
                 _skipping_logits(model, skip_logits):
             new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn,
                                                  time_limit, compress=options, level=lvl,
-                                                 trace_batch_size=trace_batch_size))
+                                                 trace_batch_size=trace_batch_size, others=forwards_per_step - 1))
     finally:
         if native is not None:
             native()
@@ -1539,6 +1590,7 @@ def wrap(
     trace_batch_size: int | None = None,
     skip_logits: bool = False,
     reuse_plans: bool = True,
+    forwards_per_step: int = 1,
 ) -> nn.Module:
     """Train ``model`` within ``budget`` bytes with gradients identical to plain PyTorch's (in place, undoable).
 
@@ -1578,6 +1630,11 @@ def wrap(
             its row-following groups kept where they still divide the rows, and a signature whose forward saves
             other tensors than that plan's plans on its own at its next step. ``False``: every new signature
             plans.
+        forwards_per_step: training forwards of the model a step runs before its backward (2 for a contrastive
+            step's two views or a GAN discriminator's real and fake batches): each holds its saved tensors until
+            then, and plans leave room for as many, each holding what its own forward leaves. zoomem counts them
+            itself and plans again when a step runs more than it has seen (from that step's later forwards on);
+            give the number where the first such step must keep to the budget too.
 
     Returns:
         ``model`` itself, so ``model = zoomem.wrap(model, budget="6GiB")`` reads naturally.
@@ -1590,6 +1647,7 @@ def wrap(
     """
     _check_strategy(strategy)
     _check_trace_batch_size(trace_batch_size)
+    _check_forwards(forwards_per_step)
     options, lvl = _check_compression(budget, compress, level, strategy)
     if sensitivity_interval < 0:
         raise ValueError(f"sensitivity_interval must be >= 0 steps, got {sensitivity_interval}.")
@@ -1607,6 +1665,7 @@ def wrap(
         time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn, compress=options, level=lvl,
         sensitivity_interval=sensitivity_interval if (lvl is not None and lvl.adaptive) or options else 0,
         trace_batch_size=trace_batch_size, reuse_plans=reuse_plans, seed=torch.initial_seed() % (1 << 63),
+        forwards=forwards_per_step,
     )
     model.__dict__[_ATTR] = handle
     native = _native_checkpointing_off(model, adapter, "zoomem.wrap", "zoomem.unwrap turns it back on")
@@ -1641,13 +1700,22 @@ def wrap(
                 handle.undo.append(native)
         batch = Batch(tuple(args), dict(kwargs))
         cut = batch.detached()  # what planning, refreshes and variants run on (never the caller's graph)
+        waiting = handle.in_flight.count()
+        if waiting >= handle.forwards:  # more forwards before a backward than seen so far: plans leave room for them
+            handle.forwards = waiting + 1
+            _log_rank0("zoomem: %s ran %d training forwards before a backward (a contrastive step's views, a GAN "
+                       "discriminator's real and fake batches): each holds its saved tensors until then, so its plans "
+                       "from now on leave room for %d", type(model).__name__, handle.forwards, handle.forwards)
         plan = handle.plan_for(cut)
+        if waiting and handle.forwards > 1 and plan.budget_bytes is not None:
+            plan = handle.after_others(cut, plan)
         holding, handle.holding = handle.holding, None
         handle.active = handle.active_for(plan, smaller=handle.runs_smaller)
         handle.steps += 1
         try:
             with handle.active.hooks(model, batch):
                 out = handle.in_force(original)(*args, **kwargs)
+            handle.in_flight.track(out, plan.left_bytes, plan.forwards)
             handle.loss_in_output = output_loss(out) is not None
             if holding is not None and holding == handle.last_sig:  # a refresh waits for this step's output gradient
                 handle.held = (holding, HeldOutputGrads.hold(handle.steps - 1, cut, out, plan.predicted_peak_bytes))
