@@ -1110,7 +1110,11 @@ def test_a_step_of_two_forwards_before_its_backward_plans_for_both() -> None:
     _assert_grads_close(grads, want, "ResNet-18's two views")
     assert model._zoomem.forwards == 2 and peak <= budget, (peak / plain, list(model._zoomem.plans))
     assert all(torch.equal(a, b) for a, b in zip(reference.buffers(), model.buffers()))
+    with pytest.raises(ValueError, match="forwards_per_step"):
+        zoomem.wrap(model, budget, forwards_per_step=0)
     zoomem.unwrap(model)
+    predicted = zoomem.plan(reference, views[0], adapter=adapter, forwards_per_step=2).baseline_peak_bytes
+    assert abs(predicted - plain) <= 0.05 * plain, (predicted, plain)  # (planned with the adapter's loss)
 
 
 def test_modules_the_user_put_in_eval_mode_stay_there() -> None:

@@ -347,9 +347,9 @@ class _Handle:
         (:func:`plan_key`): a step's smaller crops, planned to keep more, before its larger ones. Where none fits,
         ``plan``, with a warning (once per plan): the step peaks up to that difference above the budget."""
         n = self.forwards - 1
-        held = self.in_flight.held_bytes(self.forwards)
+        held, room = self.in_flight.held_bytes(self.forwards), n * max(plan.left_bytes, plan.others_floor)
         floor = -(-held // n)
-        if held <= n * max(plan.left_bytes, plan.others_floor) or floor >= plan.extras.get("no_floor", floor + 1):
+        if held <= room or floor >= plan.extras.get("no_floor", floor + 1):
             return plan
         try:
             return self.plan_for(batch, floor=floor)
@@ -359,9 +359,8 @@ class _Handle:
                 plan.extras["floor_warned"] = True
                 _log_rank0("zoomem: the forwards of this step before this one hold %.1f MiB, more than its plan "
                            "leaves room for (%.1f MiB), and no plan fits beside them (%s): this forward runs its "
-                           "plan, and the step may peak up to %.1f MiB above the budget", held / _MIB,
-                           n * plan.left_bytes / _MIB, err, (held - n * plan.left_bytes) / _MIB,
-                           level=logging.WARNING)
+                           "plan, and the step may peak up to %.1f MiB above the budget", held / _MIB, room / _MIB,
+                           err, (held - room) / _MIB, level=logging.WARNING)
             return plan
 
     def _warn_of_hooks(self) -> None:
