@@ -179,6 +179,38 @@ def test_timm_native_checkpointing_toggles(model_id: str) -> None:
     assert flags() == {False}
 
 
+class _BackboneAndHead(nn.Module):
+    """A model of the user's own: a timm backbone under a head of theirs."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(backbone.num_features, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+@pytest.mark.parametrize("model_id", ["timm/resnet50", "timm/convnext_atto"])
+def test_a_timm_backbone_under_a_users_head_is_split_into_its_blocks(model_id: str) -> None:
+    """A model of the user's own holding a timm backbone gets the backbone's blocks as units, as the timm adapter
+    finds them in the bare model, and the backbone's own checkpointing is turned off while wrapped and back on
+    after, as for a bare timm model. Before, the generic split took the longest ``ModuleList`` (one ResNet stage's
+    blocks, 6 of ResNet-50's 16): under a head, at batch 16 and 128 px, the smallest budget a plan had was 83% of
+    plain PyTorch's peak, now 55%."""
+    import zoomem
+
+    backbone, adapter = zoo.build(model_id, **{**zoo.small_overrides(model_id), "num_classes": 0})
+    model = _BackboneAndHead(backbone)
+    generic = get_adapter(model)
+    assert generic.name == "generic"
+    assert [u.name for u in generic.units(model)] == ["backbone." + u.name for u in adapter.units(backbone)]
+    backbone.set_grad_checkpointing(True)
+    zoomem.wrap(model)
+    assert not any(getattr(m, "grad_checkpointing", False) for m in model.modules())
+    zoomem.unwrap(model)
+    assert any(getattr(m, "grad_checkpointing", False) for m in model.modules())
+
+
 # ---------------------------------------------------------------------------------------- transformers
 
 

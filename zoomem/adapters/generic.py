@@ -8,6 +8,10 @@ Units of a model no zoo adapter knows, in order of preference:
    the shallowest), when it has at least two;
 3. the model's direct children that hold parameters.
 
+A timm model inside (a backbone under a head of the user's, a siamese pair) gives its blocks as the timm adapter
+finds them, before 2 and 3 (whose longest list is one ResNet stage's blocks there), and its own checkpointing
+(``set_grad_checkpointing``) is turned off while wrapped, as for a bare timm model.
+
 Registered blocks take precedence in every adapter: :func:`with_registered_blocks` merges them into the units a
 zoo adapter found, dropping the zoo's units that overlap them.
 """
@@ -123,6 +127,25 @@ def sequential_units(model: nn.Module) -> list[Unit]:
     ]
 
 
+def _timm_inside(model: nn.Module) -> list[tuple[Adapter, nn.Module]]:
+    """The timm adapter with each outermost timm model inside ``model`` (none where timm is not imported)."""
+    if "timm" not in sys.modules:
+        return []
+    from .timm import TimmAdapter, timm_models_inside
+
+    return [(TimmAdapter(), m) for _, m in timm_models_inside(model)]
+
+
+def _timm_units(model: nn.Module) -> list[Unit]:
+    """The blocks of the timm models inside ``model``, named from ``model`` (none where timm is not imported)."""
+    if "timm" not in sys.modules:
+        return []
+    from .timm import TimmAdapter, timm_models_inside
+
+    return [Unit(f"{name}.{u.name}", u.module) for name, sub in timm_models_inside(model)
+            for u in TimmAdapter().units(sub)]
+
+
 @register_adapter
 class GenericAdapter(Adapter):
     """Any ``nn.Module``: registered blocks, else a structural split (see the module docstring).
@@ -146,7 +169,16 @@ class GenericAdapter(Adapter):
         blocks = registered_blocks(model)
         if blocks:
             return blocks
-        return sequential_units(model)
+        return _timm_units(model) or sequential_units(model)
+
+    native_flags = ("grad_checkpointing",)  # timm's, on the timm models inside
+
+    def native_checkpointing(self, model: nn.Module) -> bool:
+        return any(timm.native_checkpointing(m) for timm, m in _timm_inside(model))
+
+    def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
+        done = [timm.set_native_checkpointing(m, enable) for timm, m in _timm_inside(model)]
+        return any(done)
 
     def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

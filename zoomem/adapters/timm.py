@@ -24,7 +24,7 @@ from .base import Adapter, Unit, default_loss
 from .generic import drop_foreign_sizes, outermost, sequential_units, with_registered_blocks
 from .registry import LAYERS, register_adapter, register_layer
 
-__all__ = ["TimmAdapter", "timm_block_paths"]
+__all__ = ["TimmAdapter", "timm_block_paths", "timm_models_inside"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,14 @@ def timm_block_paths(model: nn.Module) -> list[str]:
     kept = {n for n, _ in outermost(sorted(((p, modules[p]) for p in ranked if p in modules),
                                            key=lambda pm: order.get(pm[0], 0)))}
     return [p for p in ranked if p in kept]
+
+
+def timm_models_inside(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost timm models inside a model of the user's own (a backbone under a head of theirs, a siamese
+    pair), by path: timm's classes with a ``group_matcher``, ``model`` itself left out."""
+    found = [(n, m) for n, m in model.named_modules()
+             if n and type(m).__module__.startswith("timm.") and hasattr(m, "group_matcher")]
+    return outermost(found)
 
 
 @register_adapter
