@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -182,12 +183,13 @@ def test_timm_native_checkpointing_toggles(model_id: str) -> None:
 class _BackboneAndHead(nn.Module):
     """A model of the user's own: a timm backbone under a head of theirs."""
 
-    def __init__(self, backbone: nn.Module) -> None:
+    def __init__(self, backbone: nn.Module, features: int | None = None) -> None:
         super().__init__()
-        self.backbone, self.head = backbone, nn.Linear(backbone.num_features, 3)
+        self.backbone, self.head = backbone, nn.Linear(features or backbone.num_features, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.backbone(*args, **kwargs)
+        return self.head(out if isinstance(out, torch.Tensor) else out.logits)
 
 
 @pytest.mark.parametrize("model_id", ["timm/resnet50", "timm/convnext_atto"])
@@ -209,6 +211,23 @@ def test_a_timm_backbone_under_a_users_head_is_split_into_its_blocks(model_id: s
     assert not any(getattr(m, "grad_checkpointing", False) for m in model.modules())
     zoomem.unwrap(model)
     assert any(getattr(m, "grad_checkpointing", False) for m in model.modules())
+
+
+def test_an_hf_backbones_own_checkpointing_under_a_users_module_is_off_while_wrapped() -> None:
+    """HF's ``gradient_checkpointing_enable()`` on a backbone inside a model of the user's own is turned off by
+    wrap and back on by unwrap. Before, it stayed on: the trace took the checkpointed step for plain PyTorch's (a
+    4-layer BERT under a head at 16 x 128 tokens read 31.9 MiB for it instead of 88.1, and a 60% budget was
+    infeasible)."""
+    import zoomem
+
+    backbone, hf = zoo.build("hf/bert-base-uncased", **zoo.small_overrides("hf/bert-base-uncased"))
+    model = _BackboneAndHead(backbone, features=backbone.config.num_labels)
+    backbone.gradient_checkpointing_enable()
+    assert get_adapter(model).name == "generic" and get_adapter(model).native_checkpointing(model)
+    zoomem.wrap(model)
+    assert not hf.native_checkpointing(backbone)
+    zoomem.unwrap(model)
+    assert hf.native_checkpointing(backbone)
 
 
 # ---------------------------------------------------------------------------------------- transformers

@@ -9,8 +9,9 @@ Units of a model no zoo adapter knows, in order of preference:
 3. the model's direct children that hold parameters.
 
 A timm model inside (a backbone under a head of the user's, a siamese pair) gives its blocks as the timm adapter
-finds them, before 2 and 3 (whose longest list is one ResNet stage's blocks there), and its own checkpointing
-(``set_grad_checkpointing``) is turned off while wrapped, as for a bare timm model.
+finds them, before 2 and 3 (whose longest list is one ResNet stage's blocks there). The own checkpointing of the
+timm and HF models inside (``set_grad_checkpointing``, ``gradient_checkpointing_enable``) is turned off while
+wrapped, as for a bare model of their zoo.
 
 Registered blocks take precedence in every adapter: :func:`with_registered_blocks` merges them into the units a
 zoo adapter found, dropping the zoo's units that overlap them.
@@ -127,13 +128,18 @@ def sequential_units(model: nn.Module) -> list[Unit]:
     ]
 
 
-def _timm_inside(model: nn.Module) -> list[tuple[Adapter, nn.Module]]:
-    """The timm adapter with each outermost timm model inside ``model`` (none where timm is not imported)."""
-    if "timm" not in sys.modules:
-        return []
-    from .timm import TimmAdapter, timm_models_inside
+def _zoo_models_inside(model: nn.Module) -> list[tuple[Adapter, nn.Module]]:
+    """Each outermost timm or HF model inside ``model`` with its zoo's adapter (none of a zoo not imported)."""
+    found: list[tuple[Adapter, nn.Module]] = []
+    if "timm" in sys.modules:
+        from .timm import TimmAdapter, timm_models_inside
 
-    return [(TimmAdapter(), m) for _, m in timm_models_inside(model)]
+        found += [(TimmAdapter(), m) for _, m in timm_models_inside(model)]
+    if "transformers" in sys.modules:
+        from .transformers import TransformersAdapter, hf_models_inside
+
+        found += [(TransformersAdapter(), m) for _, m in hf_models_inside(model)]
+    return found
 
 
 def _timm_units(model: nn.Module) -> list[Unit]:
@@ -171,13 +177,13 @@ class GenericAdapter(Adapter):
             return blocks
         return _timm_units(model) or sequential_units(model)
 
-    native_flags = ("grad_checkpointing",)  # timm's, on the timm models inside
+    native_flags = ("grad_checkpointing", "gradient_checkpointing", "_gradient_checkpointing_func")  # timm's, HF's
 
     def native_checkpointing(self, model: nn.Module) -> bool:
-        return any(timm.native_checkpointing(m) for timm, m in _timm_inside(model))
+        return any(zoo.native_checkpointing(m) for zoo, m in _zoo_models_inside(model))
 
     def set_native_checkpointing(self, model: nn.Module, enable: bool) -> bool:
-        done = [timm.set_native_checkpointing(m, enable) for timm, m in _timm_inside(model)]
+        done = [zoo.set_native_checkpointing(m, enable) for zoo, m in _zoo_models_inside(model)]
         return any(done)
 
     def recompute_inputs(self, unit: nn.Module, args: tuple[Any, ...],

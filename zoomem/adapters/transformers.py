@@ -24,7 +24,7 @@ from .base import Adapter, Unit, default_loss
 from .generic import drop_foreign_sizes, outermost, sequential_units, with_registered_blocks
 from .registry import LAYERS, register_adapter, register_layer
 
-__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "hf_core", "is_hf_layer",
+__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "hf_core", "hf_models_inside", "is_hf_layer",
            "register_attention_layers"]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,16 @@ def is_hf_layer(module: nn.Module) -> bool:
     one (a user's ``class MyBlock(GPT2Block)``): the layers whose recomputation needs
     :meth:`TransformersAdapter.recompute_inputs`, whatever model holds them."""
     return any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
+
+
+def hf_models_inside(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``PreTrainedModel`` modules inside a model of the user's own (a backbone under a head of
+    theirs), by path, ``model`` itself left out."""
+    if not _hf_loaded():
+        return []
+    from transformers import PreTrainedModel
+
+    return outermost([(n, m) for n, m in model.named_modules() if n and isinstance(m, PreTrainedModel)])
 
 
 def hf_core(model: nn.Module) -> nn.Module | None:
