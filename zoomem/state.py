@@ -5,8 +5,8 @@ backward; none of these is a training step of the user's, so each leaves the mod
 back as objects and values: a forward may update one in place (BatchNorm's running statistics) or assign it a new
 tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``). Their version counters stay as they were, as
 BatchNorm's own update leaves them: a graph of the step that saved them (an earlier forward whose backward comes
-later: a contrastive step's first view) must still find them unchanged. Hooks on parameters, which act on a training step (an
-optimizer stepped in backward), are not called in planning's passes.
+later: a contrastive step's first view) must still find them unchanged. Hooks on parameters, which act on a
+training step (an optimizer stepped in backward), are not called in planning's passes.
 """
 
 from __future__ import annotations

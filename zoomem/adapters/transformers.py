@@ -24,8 +24,8 @@ from .base import Adapter, Unit, default_loss
 from .generic import drop_foreign_sizes, outermost, sequential_units, with_registered_blocks
 from .registry import LAYERS, register_adapter, register_layer
 
-__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "hf_core", "hf_models_inside", "is_hf_layer",
-           "register_attention_layers"]
+__all__ = ["TransformersAdapter", "HF_ATTENTION_OPS", "HF_MATH_ATTENTION_OPS", "hf_core", "hf_models_inside",
+           "is_hf_layer", "register_attention_layers"]
 
 logger = logging.getLogger(__name__)
 

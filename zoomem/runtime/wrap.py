@@ -124,8 +124,10 @@ class _Planning:
     never fails for a refresh) or planning's (value ranges stand in): the plan's bits are measured no more."""
 
 
-def plan_key(batch: Batch, training: bool = True, grads_held: bool = False, frozen: tuple[int, ...] = (),
-             forwards: int = 1, floor: int = 0) -> tuple[tuple, bool, bool, tuple[int, ...], int, int]:  # type: ignore[type-arg]
+def plan_key(  # type: ignore[type-arg]
+    batch: Batch, training: bool = True, grads_held: bool = False, frozen: tuple[int, ...] = (), forwards: int = 1,
+    floor: int = 0,
+) -> tuple[tuple, bool, bool, tuple[int, ...], int, int]:
     """The key of a step on ``batch`` in a wrapped model's plan cache: what its forward sees (the input signature,
     train mode), whether the step starts with the gradients held (a later micro-batch of accumulation), which
     parameters are frozen (:func:`_parameter_state`: a frozen backbone's forward saves nothing for backward, and
