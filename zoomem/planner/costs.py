@@ -836,8 +836,8 @@ class CostModel:
             values -= m["gain_keep"][:, i] if keep[i] else m["gain_rec"][:, i]
         if bits:
             values -= self.compress_gain_rows(bits)
-        left = self.left_index()
-        if self.others and left is not None:
+        left = self.left_index() if self.others else None  # (greedy calls this thousands of times)
+        if left is not None:
             values += self.others * max(float(self.others_floor), values[left] - self.held_grad_bytes)
         return values
 
