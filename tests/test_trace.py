@@ -151,7 +151,7 @@ def test_forward_excess_is_a_units_scratch_without_autograd() -> None:
     leaves behind (its output). Linear -> ReLU -> Dropout -> Linear holds three hidden-sized tensors at most (ReLU's
     output, dropout's float mask and its output) and leaves the output: 3 hidden - out, in bytes, where the traced
     rise holds every intermediate to the end. BatchNorm's statistics and the RNG are as they were."""
-    from zoomem.graph.timeline import measure_forward_excess
+    from zoomem.graph.timeline import measure_forward_rises
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Dropout(0.5), nn.Linear(256, 8)), nn.BatchNorm1d(8)]
@@ -160,11 +160,11 @@ def test_forward_excess_is_a_units_scratch_without_autograd() -> None:
     units = [Unit(name=str(i), module=m) for i, m in enumerate(blocks)]
     state, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
 
-    excess = measure_forward_excess(model, batch, units)
+    excess, rise = measure_forward_rises(model, batch, units)
 
     hidden, out = 32 * 256 * 4, 32 * 8 * 4
-    assert excess[1] == 3 * hidden - out
-    assert set(excess) == {1, 2}
+    assert excess[1] == 3 * hidden - out and rise[1] == 3 * hidden
+    assert set(excess) == set(rise) == {1, 2}
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()), "running statistics changed"
 
@@ -172,7 +172,7 @@ def test_forward_excess_is_a_units_scratch_without_autograd() -> None:
 def test_rises_are_not_measured_inside_an_open_meter() -> None:
     """Planning inside a user's :class:`MemoryMeter` (``measure_step`` around a first step) cannot open a second
     meter: both measurements give nothing (the cost model keeps the traced rises, which bound them) and run nothing."""
-    from zoomem.graph.timeline import measure_forward_excess
+    from zoomem.graph.timeline import measure_forward_rises
     from zoomem.planner import Decision
     from zoomem.runtime.units import measure_recompute_rises
 
@@ -180,7 +180,7 @@ def test_rises_are_not_measured_inside_an_open_meter() -> None:
     units = adapter.units(model)
     state = copy.deepcopy(model.state_dict())
     with zoomem.MemoryMeter(model, batch):
-        assert measure_forward_excess(model, batch, units) == {}
+        assert measure_forward_rises(model, batch, units) == ({}, {})
         assert measure_recompute_rises(model, batch, lambda out, b: adapter.loss(model, b, out), units,
                                        {units[0].name: Decision.RECOMPUTE_CHEAP}) == {}
     assert all(p.grad is None for p in model.parameters())

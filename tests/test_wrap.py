@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -760,6 +760,17 @@ def test_verification_ends_with_the_least_peak_plan(monkeypatch: pytest.MonkeyPa
     assert peak <= budget
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread count for the test: one thread (pytest-xdist's workers on two cores, ``torchrun``'s default)
+    runs timm's DenseNet layer without the 1x1 conv's scratch that tops its peak on two, which left its held
+    bottleneck output to show."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _small_densenet(blocks: tuple[int, ...]) -> tuple[nn.Module, Any, Plan, Any]:
     """timm's DenseNet-121 layout with ``blocks`` layers per block, growth 8, 64 px, batch 2, wrapped as plain
     PyTorch: the model, its batch, a copy of its plan and its cost model."""
@@ -776,16 +787,21 @@ def _small_densenet(blocks: tuple[int, ...]) -> tuple[nn.Module, Any, Plan, Any]
     return model, batch, copy.deepcopy(next(iter(handle.plans.values()))), CostModel.from_graph(handle.last_graph)
 
 
-def test_recomputing_a_unit_that_takes_a_list_holds_what_the_plan_predicts() -> None:
+def test_recomputing_a_unit_that_takes_a_list_holds_what_the_plan_predicts(threads: int) -> None:
     """timm's DenseNet layers take the block's list of feature maps, which the block appends to after each call and
     concatenates as it returns. Recomputing one layer held more than predicted at every later point: the checkpoint
     kept the block's own list (every feature map appended after the call, 256 KiB a layer on DenseNet-121 at 64 px),
     the CPU generator's state it copies (5056 bytes a unit), and the layer's inputs through the code after the
     block, where plain PyTorch frees them and where that segment peaks. Now no point is predicted low (the head's
-    backward takes the last unit's recomputation, which the last unit's own point predicts)."""
+    backward takes the last unit's recomputation, which the last unit's own point predicts). The block's last layer
+    peaks in the code after it (the block's concatenation); recomputed, that code's peak falls by the layer's saved
+    tensors and the layer's own forward by less: under one thread it topped that code by 32 KiB, the bottleneck
+    output the layer's code holds through its second conv (``CostModel.own_excess``, measured without autograd)."""
     from zoomem.runtime.wrap import plan_points
 
     model, batch, plain, costs = _small_densenet((3, 3))
+    if threads == 1:
+        assert costs.own_excess, "the one-thread case this test is for"
     last = len(plain.units)
     for i in range(last):
         plan = copy.deepcopy(plain)
@@ -858,12 +874,14 @@ def test_a_recomputed_unit_with_compact_forms_holds_what_they_save_of_its_output
     zoomem.unwrap(model)
 
 
-def test_a_chained_unit_drops_its_input_from_its_list_argument() -> None:
+def test_a_chained_unit_drops_its_input_from_its_list_argument(threads: int) -> None:
     """timm's DenseNet hands each layer the block's list of feature maps; the block's last layer may drop the one
     the layer before it made (``RECOMPUTE_CHAIN``: no later layer takes it). The checkpoint's snapshot of the list
     held it all the same, and its recipe went with the forward's registry: DenseNet-121's smallest plan at batch 8
     measured 3.2 MiB over its prediction, from that layer to the end of the step. The snapshot now holds it as the
-    checkpoint holds its own arguments, a reference that brings it back; gradients stay plain PyTorch's, bitwise."""
+    checkpoint holds its own arguments, a reference that brings it back; gradients stay plain PyTorch's, bitwise.
+    Dropped, that input leaves the code after the layer, where the block's segment peaks, not the layer's own
+    forward, which can then top it (one thread: 5.6 KiB above the prediction before ``CostModel.own_excess``)."""
     from zoomem.runtime.wrap import plan_points
 
     model, batch, _, costs = _small_densenet((4, 4))

@@ -103,8 +103,11 @@ class OpGraph:
             recomputation of the unit runs them again: forms of its modules, and of the unit's own module where
             zoomem's forward of the unit runs them (``runtime.compact.UNIT_INNER``), not where they wrap it.
         forward_excess: per unit segment, its forward's rise without autograd above what it leaves behind
-            (:func:`~zoomem.graph.timeline.measure_forward_excess`); filled by the runtime when it plans and some
-            unit can drop its input (what bringing that input back costs), else empty.
+            (:func:`~zoomem.graph.timeline.measure_forward_rises`); filled by the runtime when it plans and some
+            unit can drop its input (what bringing that input back costs) or peaks in the code after it, else empty.
+        forward_rise: per unit segment, its forward's rise without autograd above its start, measured with
+            ``forward_excess``: what a recomputed unit's own forward holds where the code after it holds the
+            segment's plain peak.
         cheap_rise: per unit segment with a ``RECOMPUTE_CHEAP`` mode, what its recomputation rises in backward,
             measured as the runtime runs it (:func:`~zoomem.runtime.units.measure_recompute_rises`); filled by
             the runtime when it plans.
@@ -136,6 +139,7 @@ class OpGraph:
     compact_units: list[str] = field(default_factory=list)
     compact_recompute_units: list[str] = field(default_factory=list)
     forward_excess: dict[int, int] = field(default_factory=dict)
+    forward_rise: dict[int, int] = field(default_factory=dict)
     cheap_rise: dict[int, int] = field(default_factory=dict)
     compact_recompute_gain: dict[int, int] = field(default_factory=dict)
     compact_faster: list[str] = field(default_factory=list)
@@ -241,6 +245,7 @@ class OpGraph:
         d["timeline_outside"] = [SegmentStat(**t) for t in d.get("timeline_outside", [])]
         d["timeline_compact"] = [SegmentStat(**t) for t in d.get("timeline_compact", [])]
         d["forward_excess"] = {int(k): int(v) for k, v in d.get("forward_excess", {}).items()}
+        d["forward_rise"] = {int(k): int(v) for k, v in d.get("forward_rise", {}).items()}
         d["cheap_rise"] = {int(k): int(v) for k, v in d.get("cheap_rise", {}).items()}
         d["compact_recompute_gain"] = {int(k): int(v) for k, v in d.get("compact_recompute_gain", {}).items()}
         return cls(**d)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -23,8 +23,8 @@ from ..batch import Batch
 from ..measure import MemoryMeter
 from ..state import snapshot_buffers
 
-__all__ = ["BackwardWindow", "ForwardWindow", "SegmentStat", "measure_forward_excess", "measure_timeline", "meter_busy",
-           "restored_state"]
+__all__ = ["BackwardWindow", "ForwardRises", "ForwardWindow", "SegmentStat", "measure_forward_rises",
+           "measure_timeline", "meter_busy", "restored_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +101,25 @@ def measure_timeline(
         return _measure(model, batch, loss_fn, units, saved_hooks, windows, forward_windows)
 
 
-def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) -> dict[int, int]:
-    """Per unit segment (1..n), the bytes its forward rises above what it leaves behind when it runs without
-    autograd, as :class:`zoomem.runtime.chain.Recipe` runs it to bring a dropped input back: its scratch beyond
-    its outputs, far below the rise of the traced forward, which saves every intermediate (ResNet-50's bottleneck:
-    a few feature maps against a dozen). A unit called twice counts its larger call. The step's state is put
-    back afterwards, as :func:`measure_timeline` does; empty when a profiler or meter is running."""
+class ForwardRises(NamedTuple):
+    """What each unit's forward (segment 1..n) holds when it runs without autograd, as a chain's recipe and a
+    recomputed unit's checkpointed forward run it (no intermediate saved)."""
+
+    excess: dict[int, int]
+    """Its rise above what it leaves behind (its outputs): what bringing a dropped input back adds."""
+    rise: dict[int, int]
+    """Its rise above its start: where a unit's forward peaks in the code after it (timm's DenseNet concatenating
+    its block), this is what its own stretch holds when recomputed, and can top that code's."""
+
+
+def measure_forward_rises(model: nn.Module, batch: Batch, units: list[Unit]) -> ForwardRises:
+    """Per unit segment (1..n), the bytes its forward rises when it runs without autograd: its scratch beyond its
+    outputs (``excess``), far below the rise of the traced forward, which saves every intermediate (ResNet-50's
+    bottleneck: a few feature maps against a dozen), and above its start (``rise``). A unit called twice counts its
+    larger call. The step's state is put back afterwards, as :func:`measure_timeline` does; both empty when a
+    profiler or meter is running."""
     if meter_busy():
-        return {}
+        return ForwardRises({}, {})
     seg_of = {u.module: i + 1 for i, u in enumerate(units)}
     meter = MemoryMeter(model, batch)
     marks: list[int] = []  # the segment each phase of the meter closes (0: code outside the units)
@@ -128,11 +139,14 @@ def measure_forward_excess(model: nn.Module, batch: Batch, units: list[Unit]) ->
     finally:
         for h in handles:
             h.remove()
-    excess: dict[int, int] = {}
+    out = ForwardRises({}, {})
+    start = meter.report.baseline_bytes
     for seg, stat in zip(marks, meter.report.phases.values()):
         if seg:
-            excess[seg] = max(excess.get(seg, 0), stat.peak_bytes - stat.end_bytes)
-    return excess
+            out.excess[seg] = max(out.excess.get(seg, 0), stat.peak_bytes - stat.end_bytes)
+            out.rise[seg] = max(out.rise.get(seg, 0), stat.peak_bytes - start)
+        start = stat.end_bytes
+    return out
 
 
 def meter_busy(quiet: bool = False) -> bool:

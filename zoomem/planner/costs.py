@@ -195,6 +195,12 @@ class CostModel:
     forward_excess: dict[int, int] = field(default_factory=dict)
     """Unit segment -> its forward's rise without autograd above what it leaves behind, as a chain's recipe runs
     it (:attr:`~zoomem.graph.OpGraph.forward_excess`; measured only where some unit can drop its input)."""
+    own_excess: dict[int, int] = field(default_factory=dict)
+    """Unit segment of :attr:`after_peaks` -> bytes its forward point holds above the code after it when the unit
+    is recomputed: that code's peak falls by the unit's saved tensors, the unit's own forward (its checkpointed run,
+    no intermediate saved, :attr:`~zoomem.graph.OpGraph.forward_rise`) by less, and can top it (timm's DenseNet
+    block's last layer under one torch thread: its bottleneck output, which the layer's code holds through its second
+    conv, 32 KiB above the prediction at 64 px b2). Counted at that point for every decision but ``KEEP``."""
     transient_cheap: dict[int, int] = field(default_factory=dict)
     """Unit segment -> what its recomputation under ``RECOMPUTE_CHEAP`` rises, measured as the runtime runs it
     (:attr:`~zoomem.graph.OpGraph.cheap_rise`): its matmul/conv outputs come from the cache, held already. Absent:
@@ -907,13 +913,43 @@ class CostModel:
 
     def take_rises(self, graph: OpGraph) -> None:
         """Take the rises the runtime measured into ``graph`` after this model was made from it (it measures
-        them only where this model has chains, cheap modes or compact forms that let go early):
-        ``forward_excess``, ``transient_cheap``, ``compact_recompute_gain``."""
+        them only where this model has chains, units peaking in the code after them, cheap modes or compact forms
+        that let go early): ``forward_excess``, ``transient_cheap``, ``compact_recompute_gain``; and
+        :attr:`own_excess` from ``forward_rise``."""
         rng = _rng_state_nbytes() if graph.device.startswith("cpu") else 0
         self.forward_excess = dict(graph.forward_excess)
         self.transient_cheap = {seg: rise + rng for seg, rise in graph.cheap_rise.items()}
         self.compact_recompute_gain = dict(graph.compact_recompute_gain)
+        self.own_excess = {}
         self.__dict__.pop("_matrix_cache", None)
+        if self.after_peaks and graph.timeline:
+            self.own_excess = self._own_excess(graph, rng)
+            self.__dict__.pop("_matrix_cache", None)
+
+    def _own_excess(self, graph: OpGraph, rng: int) -> dict[int, int]:
+        """:attr:`own_excess`: per segment of :attr:`after_peaks`, the unit's own forward when it alone is
+        recomputed (where it starts in the plain step, plus its rise without autograd and the generator state its
+        checkpoint copies; the traced rise where that was not measured, which bounds it) above what the point
+        predicts then; where the unit may drop its input, above what it predicts with the input dropped (the code
+        after the unit no longer holds it; the unit's forward does), for every decision but ``KEEP``."""
+        others, self.others = self.others, 0  # (this plan's forward alone)
+        try:
+            forward = {p.seg: i for i, p in enumerate(self.points) if p.phase == "forward"}
+            out = {}
+            for seg in sorted(self.after_peaks):
+                own = next(t for t in graph.timeline if t.seg == seg and t.phase == "forward")
+                rise = graph.forward_rise.get(seg)
+                held = own.start_bytes + (rise + rng if rise is not None else self.transient.get(seg, 0))
+                after = self.point_bytes({self.units[seg - 1]: Decision.RECOMPUTE})[forward[seg]]
+                j = self.chain.get(seg)
+                if j is not None:  # dropped (RECOMPUTE_CHAIN), its input leaves that code, not the unit's forward
+                    after -= next((c for t, c in self._coefficients(self.points[forward[seg]])
+                                   if t is self.storages[j]), 0)
+                if held > after:
+                    out[seg] = int(held - after)
+            return out
+        finally:
+            self.others = others
 
     def recompute_transient(self, seg: int, decision: Decision) -> int:
         """Bytes unit ``seg``'s recomputation adds at its recompute point under ``decision`` (not ``KEEP``)."""
@@ -954,6 +990,8 @@ class CostModel:
             if p.phase == "recompute" and 1 <= p.seg <= n:
                 transient[i, p.seg - 1] = self.transient.get(p.seg, 0)
                 transient_cheap[i, p.seg - 1] = self.recompute_transient(p.seg, Decision.RECOMPUTE_CHEAP)
+            if p.phase == "forward" and p.seg in self.own_excess:  # the unit's own forward, however it recomputes
+                transient[i, p.seg - 1] = transient_cheap[i, p.seg - 1] = self.own_excess[p.seg]
             for k, u in enumerate(self.units):
                 if u in self.compact_saving:
                     gain_keep[i, k] = self.compact_gain(p, u, Decision.KEEP)

@@ -378,6 +378,8 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         for (u, d, on), v in x.items():
             if on:  # a gain can be negative (a cost)
                 expr -= model.compact_gain(p, u, d, stored=on == 2) * v
+        if p.phase == "forward" and p.seg in model.own_excess:  # its own forward, above the code after it
+            expr += model.own_excess[p.seg] * (1 - keep(p.seg))
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units):  # the unit's recomputation, as its mode runs it
             full, part = model.transient.get(p.seg, 0), model.recompute_transient(p.seg, Decision.RECOMPUTE_CHEAP)
             expr += full * (1 - keep(p.seg) - cheap(p.seg)) + part * cheap(p.seg)

@@ -26,7 +26,7 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..adapters.base import MEAN_LOSS_BYTES, mean_loss_warning, output_loss
 from ..batch import Batch, no_larger, signature_numel
 from ..graph import OpGraph, trace
-from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_excess, measure_timeline,
+from ..graph.timeline import (BackwardWindow, ForwardWindow, SegmentStat, measure_forward_rises, measure_timeline,
                               meter_busy)
 from ..benchtools import exc_text
 from ..measure import MemoryMeter, is_out_of_memory
@@ -777,8 +777,9 @@ def cost_model(
         finally:
             undo()
     costs = CostModel.from_graph(graph, stored_compact=stored)
-    if costs.chain and not graph.forward_excess and graph.timeline:  # what bringing a dropped input back costs
-        graph.forward_excess = measure_forward_excess(model, batch, units)
+    if (costs.chain or costs.after_peaks) and not graph.forward_excess and graph.timeline:
+        # what bringing a dropped input back costs; what a recomputed unit's own forward holds
+        graph.forward_excess, graph.forward_rise = measure_forward_rises(model, batch, units)
     cheap = {u: Decision.RECOMPUTE_CHEAP for i, u in enumerate(costs.units)
              if (Decision.RECOMPUTE_CHEAP, 0) in unit_modes(costs, i)}
     if cheap and not graph.cheap_rise and graph.timeline:  # what recomputing only the cheap ops holds
