@@ -1,4 +1,5 @@
-"""Test-wide settings: private temp and inductor cache folders (PyG and inductor write there)."""
+"""Test-wide settings: private temp and inductor cache folders (PyG and inductor write there), and under
+pytest-xdist each worker's share of torch's threads."""
 
 import os
 import tempfile
