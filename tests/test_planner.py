@@ -229,6 +229,7 @@ def test_a_compact_form_that_runs_faster_is_credited(gcn_costs: CostModel) -> No
     nears zero (it is shifted by the credit, so the solver's relative gap stays a share of real seconds)."""
     keep = {u: Decision.KEEP for u in gcn_costs.units}
     baseline = gcn_costs.peak(keep)
+    assert gcn_costs.shared_bytes > 0  # the adjacency the convs share: the brute force below prices it as the program
     fast = next(u for u in gcn_costs.compact_saving if gcn_costs.peak(keep, frozenset({u})) * 1.02 < baseline)
     step = gcn_costs.step_s
     times = {u: (-0.3 if u == fast else 0.05) * step for u in gcn_costs.compact_saving}

@@ -905,6 +905,36 @@ def test_a_chained_unit_drops_its_input_from_its_list_argument(threads: int) -> 
     zoomem.unwrap(model)
 
 
+@pytest.mark.parametrize(("model_id", "first"), [("pyg/gcn", 0), ("pyg/sage", 1)])
+def test_the_adjacency_pyg_layers_share_is_held_by_the_first_that_keeps_it(model_id: str, first: int) -> None:
+    """PyG's compact message passing saves one adjacency for every layer (``_shared_parts``), and every unit's forms
+    are measured with all of them on, where the first layer that saves it holds it (GraphSAGE's first layer, on
+    inputs that need no gradient, saves none). Where that layer's forms are off, the next one kept with its forms
+    on holds it to the end of its backward, and one recomputed with its forms on makes it again in its backward:
+    the points from there on measured the adjacency above their predictions (GCN 96004 bytes, SAGE 168008), now
+    counted (``CostModel.shared_bytes``; the program against brute force with it:
+    ``tests/test_planner.py -k faster_is_credited``)."""
+    from zoomem.planner.costs import CostModel
+    from zoomem.runtime.wrap import plan_points
+
+    model, adapter, batch = zoo.small(model_id)
+    zoomem.wrap(model, strategy="none", adapter=adapter, batch=batch)
+    handle = model._zoomem
+    base = next(iter(handle.plans.values()))
+    costs = CostModel.from_graph(handle.last_graph)
+    names = [u.name for u in base.units]
+    assert costs.shared_units == tuple(names[first:]) and costs.shared_bytes > 0
+    modes = {"k": Decision.KEEP, "r": Decision.RECOMPUTE}
+    for spec in (["k", "k+c", "k+c"], ["k", "k", "k+c"], ["r+c", "k+c", "r"], ["r", "r+c", "r+c"], ["k", "r", "r+c"]):
+        plan = copy.deepcopy(base)
+        for unit, mode in zip(plan.units, spec):
+            unit.decision, unit.compact = modes[mode[0]], mode.endswith("+c")
+        low = [(p.phase, p.seg, got - int(v)) for p, v, got in plan_points(model, plan, costs, batch)
+               if got is not None and got > v + 1024]
+        assert not low, (spec, low)
+    zoomem.unwrap(model)
+
+
 def test_a_chain_holds_each_recipe_generator_state() -> None:
     """A unit whose successor drops its input (``RECOMPUTE_CHAIN``) registers how to run it again, with the CPU
     generator's state (5056 bytes), held to the successor's backward: ConvNeXt's ``sqrt`` plan, ten chained units,

@@ -99,6 +99,10 @@ class OpGraph:
             installed (a head's linear, a stem's pooling); filled by the runtime when it plans.
         timeline_compact: the same with every memory-efficient implementation the runtime would use installed
             (units ``compact_units``, and those outside the units); filled by the runtime when it plans.
+        shared_units: units, in forward order, whose implementations share what they save (``Impl.shares_saved``),
+            from the one that holds the shared part in ``timeline_compact`` on; filled by the runtime when it plans.
+        shared_bytes: that part's bytes, measured as what the next of them holds more when the forms before it are
+            off (``CostModel.shared_bytes``).
         compact_recompute_units: those of ``compact_units`` whose compact forms all run inside the unit, so a
             recomputation of the unit runs them again: forms of its modules, and of the unit's own module where
             zoomem's forward of the unit runs them (``runtime.compact.UNIT_INNER``), not where they wrap it.
@@ -136,6 +140,8 @@ class OpGraph:
     timeline: list[SegmentStat] = field(default_factory=list)
     timeline_outside: list[SegmentStat] = field(default_factory=list)
     timeline_compact: list[SegmentStat] = field(default_factory=list)
+    shared_units: list[str] = field(default_factory=list)
+    shared_bytes: int = 0
     compact_units: list[str] = field(default_factory=list)
     compact_recompute_units: list[str] = field(default_factory=list)
     forward_excess: dict[int, int] = field(default_factory=dict)

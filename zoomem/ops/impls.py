@@ -89,6 +89,9 @@ class Impl:
             on the planning batch (:func:`check_impls`): for an implementation that covers a family of classes
             whose members may compute otherwise through it (PyG convs each implement ``message_and_aggregate`` in
             their own way, and some differ from, or fail on, the adjacency the implementation gives them).
+        shares_saved: the modules it sits on share what it saves where their inputs are equal (PyG's one CSR
+            adjacency for every layer, ``message_passing._shared_parts``): the first module with it on holds the
+            shared part, which the cost model prices apart (``CostModel.shared_bytes``).
     """
 
     name: str
@@ -101,6 +104,7 @@ class Impl:
     setup: Callable[[nn.Module], Callable[[], None]] | None = None
     may_be_faster: bool = False
     checked: bool = False
+    shares_saved: bool = False
 
     @property
     def wraps(self) -> bool:

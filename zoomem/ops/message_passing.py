@@ -475,5 +475,6 @@ def register_message_passing_impl() -> Impl | None:
             wraps_original=True,
             may_be_faster=True,
             checked=True,
+            shares_saved=True,
         )
     )

@@ -150,6 +150,7 @@ def scale_costs(small: CostModel, large: CostModel, scale: Scale) -> CostModel:
         recompute_cheap_s=times(small.recompute_cheap_s, large.recompute_cheap_s),
         transient={k: by(small.transient[k], v) for k, v in large.transient.items()},
         forward_excess={k: max(0, by(small.forward_excess[k], v)) for k, v in large.forward_excess.items()},
+        shared_bytes=max(0, by(small.shared_bytes, large.shared_bytes)),
         own_excess={k: v for k in sorted(small.own_excess.keys() | large.own_excess.keys())
                     if (v := max(0, by(small.own_excess.get(k, 0), large.own_excess.get(k, 0))))},
         transient_cheap={k: max(0, by(small.transient_cheap[k], v)) for k, v in large.transient_cheap.items()},

@@ -283,6 +283,23 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         for (u, d, on), v in x.items():  # a unit runs them as stored only where it stores some tensor lossily
             if on == 2:
                 prob += v <= pulp.lpSum(in_region.get(u, []))
+    # the first sharing unit kept with its forms on holds their shared part (CostModel.shared_bytes): a later one
+    # pays it where none before it is so, y >= its indicator - theirs, from its forward to the end of its backward
+    # and one recomputed with its forms on makes it again in its backward where none before it keeps it
+    pays: dict[int, pulp.LpVariable] = {}
+    remade: dict[int, pulp.LpVariable] = {}
+    before: list[pulp.LpVariable] = []
+    for k, u in enumerate(model.shared_units if model.shared_bytes else ()):
+        seg = seg_index[u]
+        on = [x[u, Decision.KEEP, c] for c in (1, 2) if (u, Decision.KEEP, c) in x]
+        again = [v for (w, d, c), v in x.items() if w == u and d != Decision.KEEP and c]
+        if k and on:
+            pays[seg] = pulp.LpVariable(f"pays_shared_{seg}", 0)
+            prob += pays[seg] >= pulp.lpSum(on) - pulp.lpSum(before)
+        if again:
+            remade[seg] = pulp.LpVariable(f"remade_shared_{seg}", 0)
+            prob += remade[seg] >= pulp.lpSum(again) - pulp.lpSum(before)
+        before += on
     by_key = {s.key: (s, k) for s, k in zip(model.saved, model.saved_seg)}
     alive = dict(zip((s.key for s in model.saved), model.saved_alive))
     # during a unit's own forward and backward its tensors take off the least over the stretches of that phase
@@ -378,6 +395,9 @@ def _build(model: CostModel, limit: int | None, relax: bool = False, warm: Choic
         for (u, d, on), v in x.items():
             if on:  # a gain can be negative (a cost)
                 expr -= model.compact_gain(p, u, d, stored=on == 2) * v
+        if pays or remade:
+            expr += model.shared_bytes * (pulp.lpSum(v for seg, v in pays.items() if seg <= p.seg)
+                                          + (remade.get(p.seg, 0) if p.phase == "backward" else 0))
         if p.phase == "forward" and p.seg in model.own_excess:  # its own forward, above the code after it
             expr += model.own_excess[p.seg] * (1 - keep(p.seg))
         if p.phase == "recompute" and 1 <= p.seg <= len(model.units):  # the unit's recomputation, as its mode runs it

@@ -769,6 +769,8 @@ def cost_model(
         modules = {u.name: u.module for u in units}  # a form of the unit's own module inside its recomputation
         graph.compact_recompute_units = [u for u in graph.compact_units
                                          if u in inside or all(mod is not modules.get(u) for mod, _ in chosen[u])]
+        graph.shared_units, graph.shared_bytes = _shared_part(model, batch, loss, units, chosen,
+                                                              graph.timeline_compact)
     if windows == [] and graph.timeline:  # no unit has compact forms: the windows of the step as lossy plans run it
         undo = install_all(chosen)
         try:
@@ -1349,6 +1351,32 @@ def _next_margin(margin: float, budget: int, tried: list[tuple[int, int]]) -> fl
     else:
         target = min(predicted, budget / (1 + margin)) - (measured - aim)
     return max(margin, budget / max(target, 1.0) - 1)
+
+
+def _shared_part(model: nn.Module, batch: Batch, loss: Callable[[Any, Batch], torch.Tensor], units: list[Unit],
+                 chosen: dict[str, list], compact: list[SegmentStat]) -> tuple[list[str], int]:  # type: ignore[type-arg]
+    """The units whose compact forms share what they save (``Impl.shares_saved``), from the one that holds the
+    shared part in ``compact`` (the step with every form on) on, and that part's bytes: what the next one's forward
+    leaves more with the forms before it off. The first may hold none of it (GraphSAGE's first layer, on inputs that
+    need no gradient, saves no adjacency): up to two are tried. ``([], 0)`` where nothing is shared."""
+    seg_of = {u.name: i + 1 for i, u in enumerate(units)}
+    shared = [u.name for u in units if any(i.shares_saved for _, i in chosen.get(u.name, []))]
+
+    def left(timeline: list[SegmentStat], seg: int) -> int | None:
+        f = next((t for t in timeline if t.seg == seg and t.phase == "forward"), None)
+        return None if f is None else f.end_bytes - f.start_bytes
+
+    for k in range(min(2, len(shared) - 1)):
+        undo = install_all({u: pairs for u, pairs in chosen.items() if u not in shared[:k + 1]})
+        try:
+            timeline = measure_timeline(model, batch, loss, units)
+        finally:
+            undo()
+        seg = seg_of[shared[k + 1]]
+        with_all, without = left(compact, seg), left(timeline, seg)
+        if with_all is not None and without is not None and without > with_all:
+            return shared[k:], without - with_all
+    return [], 0
 
 
 def _measured_timeline(handle: "_Handle", candidate: Plan, batch: Batch, adapter: Adapter,
