@@ -152,7 +152,7 @@ def test_later_micro_batches_of_gradient_accumulation_are_planned_with_the_gradi
     """Under gradient accumulation every micro-batch after the first starts with the gradients present: small
     ResNet-18's step then measures 16 MiB more than the first micro-batch's plan predicts. Such a step gets a plan
     of its own, measured with the gradients present, that predicts it. Inside a meter (nothing can measure a new
-    plan there), it runs the first micro-batch's plan."""
+    plan there), it runs the first micro-batch's plan until the later one is made."""
     model, adapter, batch = zoo.small("timm/resnet18")
     zoomem.wrap(model, adapter=adapter)
 
@@ -170,6 +170,7 @@ def test_later_micro_batches_of_gradient_accumulation_are_planned_with_the_gradi
     model.zero_grad(set_to_none=True)
     first = micro_batch(metered=True)
     later = micro_batch(metered=True)
+    assert model._zoomem.last_sig[2]  # the later plan ran
     assert later == first_meter > first + 8 * 2**20, (first, later)
     assert abs(first - plans[False].predicted_peak_bytes) <= 0.01 * first, (first, plans[False].predicted_peak_bytes)
     assert abs(later - plans[True].predicted_peak_bytes) <= 0.01 * later, (later, plans[True].predicted_peak_bytes)
@@ -187,7 +188,8 @@ def test_a_later_micro_batchs_plan_is_verified_as_it_runs() -> None:
     later_plan = {held: plan for (_, _, held, *_), plan in model._zoomem.plans.items()}[True]
     with zoomem.MemoryMeter(model, batch) as meter:
         adapter.loss(model, batch, batch.call(model)).backward()
+    assert model._zoomem.last_sig[2]  # the metered step ran the later plan (it ran the first one, keeping all)
     checked = later_plan.extras["measured_peak_bytes"]
-    assert abs(checked - meter.report.peak_bytes) <= 0.01 * meter.report.peak_bytes, (checked, meter.report.peak_bytes)
+    assert abs(checked - meter.report.peak_bytes) <= 0.005 * meter.report.peak_bytes, (checked, meter.report.peak_bytes)
     assert meter.report.peak_bytes <= later_plan.budget_bytes
     zoomem.unwrap(model)

@@ -275,6 +275,10 @@ class _Handle:
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
 
+    def _planned(self, sig: tuple) -> bool:  # type: ignore[type-arg]
+        """Whether a step of signature ``sig`` has a plan to run without planning (its own or a larger one's)."""
+        return sig in self.plans or self._larger_plan(sig)[1] is not None
+
     def plan_for(self, batch: Batch, grads_held: bool | None = None, floor: int = 0) -> Plan:
         """The plan for a step on ``batch`` (made now if new). ``grads_held``: whether the step starts with the
         gradients present, as a later micro-batch of gradient accumulation does (``None``: as the model has them);
@@ -283,8 +287,8 @@ class _Handle:
         first = plan_key(batch, self.model.training, False, frozen, self.forwards, floor)
         if grads_held is None:
             grads_held = held
-            if grads_held and meter_busy(quiet=True) and (
-                    first in self.plans or self._larger_plan(first)[1] is not None):
+            later = first[:2] + (True,) + first[3:]
+            if grads_held and meter_busy(quiet=True) and not self._planned(later) and self._planned(first):
                 grads_held = False  # nothing can measure the step so inside a meter: the first micro-batch's plan
         sig = first[:2] + (grads_held,) + first[3:]
         self.last_sig, self.runs_smaller = sig, sig in self.reused
