@@ -42,6 +42,7 @@ def launch(recipe: str, out: Path, *flags: str, processes: int = 1, launch_flags
     cmd += ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     cmd += [*launch_flags, str(ROOT / "recipes" / f"{recipe}.py"), "--output-dir", str(out), *flags]
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts (SIGABRT at exit, seen once) prints where its threads were
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
