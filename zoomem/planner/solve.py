@@ -102,8 +102,9 @@ al.'s segments are sqrt(n) long: 16 covers models of 256 units."""
 
 
 MIP_GAP = 0.02
-"""The budget-constrained program stops once its plan is proven within this fraction of its own time of the best
-plan's (HiGHS and CBC take the relative gap of the incumbent's objective: a plan up to 2.04% slower may stop it).
+"""The budget-constrained program stops once the best plan's proven bound is within this fraction of its own plan's
+time (HiGHS and CBC take the relative gap of the incumbent's objective): that plan may be up to
+``MIP_GAP / (1 - MIP_GAP)``, 2.04%, slower than the best.
 
 The recompute times it weighs are measured, to a few percent at best, so proving the last 2% buys nothing; on
 24 identical BERT-large layers it took the whole 10 s limit (the incumbent was found in 0.1 s). The min-peak
