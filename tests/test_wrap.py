@@ -1724,6 +1724,32 @@ def test_a_loss_computed_outside_the_model_is_planned_when_given_and_warned_abou
     assert ratios[True] == pytest.approx(1.0, abs=0.02) and ratios[False] > 1.3, ratios
 
 
+def test_a_first_step_inside_a_profiler_says_how_to_plan() -> None:
+    """A step whose inputs have no plan yet cannot plan inside a torch profiler or a MemoryMeter (planning measures
+    a step, and profilers do not nest): it raises an error that says what to do, leaving the model as it was; a
+    step outside plans, and the profiled steps then run that plan with plain PyTorch's gradients. Before, the first
+    step raised the trace's own error ("trace again outside any profiler"), which no ``wrap`` user can follow."""
+    model, adapter, batch = zoo.small("timm/resnet18")
+    reference = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    zoomem.wrap(model, adapter=adapter)
+    for window in (torch.profiler.profile(), zoomem.MemoryMeter(model, batch)):
+        with pytest.raises(RuntimeError, match="before profiling"), window:
+            adapter.loss(model, batch, batch.call(model)).backward()
+    assert all(p.grad is None for p in model.parameters()) and not model._zoomem.plans
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    adapter.loss(model, batch, batch.call(model)).backward()  # plans
+    model.zero_grad(set_to_none=True)
+    loss, grads, _ = _step(reference, adapter, batch)
+    with torch.profiler.profile():
+        torch.manual_seed(0)
+        got = adapter.loss(model, batch, batch.call(model))
+        got.backward()
+    assert torch.equal(got.detach(), loss)
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters()}, grads, "a profiled step")
+    zoomem.unwrap(model)
+
+
 def test_a_batch_no_larger_than_a_planned_one_runs_its_plan(caplog: pytest.LogCaptureFixture) -> None:
     """Dynamic padding: a shorter and smaller batch runs the plan of the batch planned before it (no planning, so
     inside a meter too), with plain PyTorch's gradients and a peak below that plan's prediction; a larger batch,

@@ -317,6 +317,14 @@ class _Handle:
                        larger.predicted_peak_bytes / _MIB, ", its bits measured there" if larger.bits else "",
                        every_rank=not self.lossy)
             return larger
+        if meter_busy(quiet=True):
+            raise RuntimeError(
+                f"zoomem: {type(self.model).__name__} has no plan for this step's inputs yet, and a torch profiler "
+                "or zoomem.MemoryMeter is running: planning measures a real step's memory, which cannot run inside "
+                "one (profilers do not nest). Run one training step on inputs of this shape before profiling (its "
+                "plan is cached, and the profiled steps run it), or plan at once, outside the profiler, with "
+                "zoomem.wrap(model, ..., batch=example).")
+
         def make() -> Plan:
             return self._make_plan(batch, sig)
 
