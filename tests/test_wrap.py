@@ -1515,6 +1515,39 @@ def test_torch_compile_runs_the_planned_step_uncompiled(caplog) -> None:
         assert torch.equal(compiled(*batch.args), model(*batch.args))
 
 
+@pytest.mark.parametrize("compiled", ["model", "units after wrap", "units before wrap"])
+def test_a_model_or_its_units_compiled_in_place_plan_and_train(compiled: str, caplog) -> None:
+    """``model.compile()`` and regional compilation (``block.compile()`` on each repeated block, in place): planning
+    runs with nothing compiled, and the training step's planned parts run eagerly inside the compiled frames
+    (Dynamo raised "checkpoint not implemented ... context_fn" in planning before), warned once, with plain
+    PyTorch's gradients."""
+    model, adapter, batch = zoo.small("timm/mobilenetv2_100", batch_size=4)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads, _ = _step(reference, adapter, batch)
+    units = [u.module for u in adapter.units(model)]
+    if compiled == "units before wrap":
+        for m in units:
+            m.compile(backend="eager")
+    zoomem.wrap(model, budget=0.75, adapter=adapter)
+    if compiled == "model":
+        model.compile(backend="eager")
+    elif compiled == "units after wrap":
+        for m in units:
+            m.compile(backend="eager")
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        for _ in range(2):
+            torch.manual_seed(0)
+            loss = adapter.loss(model, batch, model(*batch.args))
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            assert torch.equal(loss.detach(), ref_loss)
+            assert all(torch.equal(grads[k], g) for k, g in ref_grads.items())
+    plan = next(iter(model._zoomem.plans.values()))
+    assert any(u.decision != Decision.KEEP for u in plan.units)
+    assert sum("torch.compile runs this model's training step uncompiled" in r.message for r in caplog.records) == 1
+
+
 def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks() -> None:
     """A ``recompute_cheap`` unit's cached matmul outputs stay exact and out of zoomem's saved-tensor store (the
     planner counts them so), chosen explicitly: torch warns that its default will flip."""

@@ -9,14 +9,16 @@ original's weights and sent its gradients there, and pickling failed on the clos
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
-__all__ = ["HANDLE", "plain_state", "record_patch", "set_forward"]
+__all__ = ["HANDLE", "eager_under_compile", "plain_state", "record_patch", "set_forward"]
 
 HANDLE = "_zoomem"
 """The instance attribute of a wrapped model that holds its wrap (``zoomem.runtime.wrap``'s handle)."""
@@ -73,6 +75,31 @@ def plain_state(module: nn.Module | None) -> dict[str, Any]:
 
 def _ours(fn: Any) -> bool:
     return (getattr(fn, "__module__", None) or "").startswith("zoomem.")
+
+
+def eager_under_compile(fn: Callable[..., Any], note: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """``fn``, run eagerly (a graph break) where torch.compile traces the code that calls it; ``note`` is called
+    (eagerly) each time it is.
+
+    zoomem's forwards cannot be traced by Dynamo (checkpoints with a ``context_fn``, saved-tensor hooks that store
+    tensors in other forms): the model's own when ``torch.compile(model)`` or ``model.compile()`` compiles the call
+    around it, a unit's when that unit is compiled in place (``block.compile()`` per repeated block, PyTorch's
+    regional compilation; Dynamo raised "checkpoint not implemented ... context_fn" there). Attributes of ``fn``
+    carry over."""
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        if note is not None:
+            note()
+        return fn(*args, **kwargs)
+
+    uncompiled = torch.compiler.disable(eager)
+
+    @functools.wraps(fn)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return uncompiled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return forward
 
 
 def set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:

@@ -45,7 +45,7 @@ from ..state import parameter_hooks_off, restore_buffers
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
-from .patch import HANDLE, set_forward
+from .patch import HANDLE, eager_under_compile, set_forward
 from .capture import HeldOutputGrads
 from .inflight import InFlight
 from .probe import probe_saved
@@ -259,14 +259,16 @@ class _Handle:
         top of zoomem's, like Accelerate's mixed-precision one, is not re-entered: its autocast state is not
         re-entrant), and autocast's weight-cast cache is cleared afterwards (the planning forwards filled it, and
         selective recomputation must see the same casts in the step as in its recomputation). The hooks on the
-        model's parameters are not called inside (:func:`~zoomem.state.parameter_hooks_off`)."""
+        model's parameters are not called inside (:func:`~zoomem.state.parameter_hooks_off`). Nothing compiles inside
+        (``force_eager``): a model or block compiled in place (``model.compile()``, regional compilation) would
+        otherwise trace planning's meter marks and hooks, recompiling at each."""
         was_busy, self.busy = self.busy, True
         outer = self.model.__dict__.get("forward")
         swap = self.forward is not None and outer is not self.forward
         if swap:
             self.model.__dict__["forward"] = self.forward
         try:
-            with parameter_hooks_off(self.model):
+            with parameter_hooks_off(self.model), torch.compiler.set_stance("force_eager"):
                 yield
         finally:
             if swap:
@@ -274,6 +276,15 @@ class _Handle:
             self.busy = was_busy
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
+
+    def note_compiled(self) -> None:
+        """Say once that torch.compile runs the training step's planned parts uncompiled."""
+        if not self.compile_warned:
+            self.compile_warned = True
+            _log_rank0("zoomem: torch.compile runs this model's training step uncompiled where zoomem's plan runs "
+                       "(the model's forward, or each unit compiled in place: the plan traces, recomputes and stores "
+                       "saved tensors in ways Dynamo cannot follow); eval and no_grad forwards compile as usual",
+                       level=logging.WARNING)
 
     def _planned(self, sig: tuple) -> bool:  # type: ignore[type-arg]
         """Whether a step of signature ``sig`` has a plan to run without planning (its own or a larger one's)."""
@@ -1727,9 +1738,7 @@ def wrap(
                     handle.active.forward_done()
         if not handle.enabled or not (model.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        if torch.compiler.is_compiling():  # traced by torch.compile: the planned step runs as it is, uncompiled
-            return planned_uncompiled(*args, **kwargs)
-        return planned(*args, **kwargs)
+        return planned_entry(*args, **kwargs)  # traced by torch.compile, the planned step runs as it is, uncompiled
 
     native_switches = [(m, flag) for m in model.modules() for flag in handle.adapter.native_flags if hasattr(m, flag)]
 
@@ -1769,14 +1778,7 @@ def wrap(
             handle.active.forward_done()
             handle.active = None
 
-    @torch.compiler.disable
-    def planned_uncompiled(*args: Any, **kwargs: Any) -> Any:
-        if not handle.compile_warned:
-            handle.compile_warned = True
-            _log_rank0("zoomem: torch.compile runs this model's training step uncompiled (the planned step "
-                       "traces, recomputes and stores saved tensors in ways Dynamo cannot follow); eval and "
-                       "no_grad forwards compile as usual", level=logging.WARNING)
-        return planned(*args, **kwargs)
+    planned_entry = eager_under_compile(planned, handle.note_compiled)
 
     # a method of the model, looking like the original: wrappers that rebind `forward.__func__` (Accelerate's
     # mixed precision, and its unwrap_model) and readers of its signature (HF Trainer's column filter) work
@@ -1844,7 +1846,7 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
         return out
 
     setattr(forward, UNIT_INNER, inner)
-    return forward
+    return eager_under_compile(forward, handle.note_compiled)  # a unit compiled in place (regional compilation)
 
 
 def is_wrapped(model: nn.Module) -> bool:
