@@ -1548,6 +1548,20 @@ def test_a_model_or_its_units_compiled_in_place_plan_and_train(compiled: str, ca
     assert sum("torch.compile runs this model's training step uncompiled" in r.message for r in caplog.records) == 1
 
 
+def test_a_model_compiled_in_place_traces_and_plans_as_it_runs_eagerly() -> None:
+    """``zoomem.trace`` and ``zoomem.plan`` on a model compiled in place see its ops one by one, as uncompiled
+    (before, ``plan`` raised in Dynamo and ``trace`` recompiled the model's blocks at each of its hooks)."""
+    model, adapter, batch = zoo.small("timm/mobilenetv2_100", batch_size=4)
+    plain = zoomem.trace(model, batch, adapter=adapter, memory=False)
+    model.compile(backend="eager")
+    graph = zoomem.trace(model, batch, adapter=adapter, memory=False)
+    assert [op.name for op in graph.ops] == [op.name for op in plain.ops]
+    assert graph.held_storages == plain.held_storages
+    plan = zoomem.plan(model, batch, 0.75, adapter=adapter)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert any(u.decision != Decision.KEEP for u in plan.units)
+
+
 def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks() -> None:
     """A ``recompute_cheap`` unit's cached matmul outputs stay exact and out of zoomem's saved-tensor store (the
     planner counts them so), chosen explicitly: torch warns that its default will flip."""

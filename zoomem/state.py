@@ -6,7 +6,8 @@ back as objects and values: a forward may update one in place (BatchNorm's runni
 tensor (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``). Their version counters stay as they were, as
 BatchNorm's own update leaves them: a graph of the step that saved them (an earlier forward whose backward comes
 later: a contrastive step's first view) must still find them unchanged. Hooks on parameters, which act on a
-training step (an optimizer stepped in backward), are not called in planning's passes.
+training step (an optimizer stepped in backward), are not called in planning's passes, and nothing in them runs
+compiled (:func:`uncompiled`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["parameter_hooks_off", "restore_buffers", "set_training", "snapshot_buffers", "training_scope"]
+__all__ = ["parameter_hooks_off", "restore_buffers", "set_training", "snapshot_buffers", "training_scope",
+           "uncompiled"]
 
 
 def set_training(model: nn.Module, mode: bool = True) -> Callable[[], None]:
@@ -93,3 +95,11 @@ def parameter_hooks_off(model: nn.Module) -> Iterator[None]:
             hooks.clear()
             hooks.update(own)
             hooks.update(added)
+
+
+def uncompiled() -> contextlib.AbstractContextManager[None]:
+    """Inside, nothing torch.compile compiled runs compiled (``force_eager``): planning's passes call a model or
+    blocks compiled in place (``model.compile()``, regional compilation), whose compiled frames would trace the
+    passes' hooks and meter marks (recompiling at each), hide their ops from the tracer and raise on zoomem's
+    checkpoints."""
+    return torch.compiler.set_stance("force_eager")  # type: ignore[return-value]

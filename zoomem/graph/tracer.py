@@ -35,7 +35,7 @@ from ..adapters import Adapter, Unit, get_adapter
 from ..batch import Batch
 from ..measure import is_out_of_memory
 from ..ops import op_spec
-from ..state import set_training, snapshot_buffers
+from ..state import set_training, snapshot_buffers, uncompiled
 from .model import OUTSIDE, OpGraph, OpNode, TensorInfo, UnitInfo, is_activation
 from .timeline import SegmentStat, measure_timeline
 
@@ -396,6 +396,7 @@ def trace(
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=rng_devices))
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(uncompiled())  # the ops a compiled frame runs are not seen one by one
             for p in params:
                 p.grad = None
             for u in units:
@@ -428,7 +429,8 @@ def trace(
             h.remove()
         handles.clear()
         restore_buffers()  # the timeline run starts from the same state as the traced one
-        timeline = measure_timeline(model, batch, loss_fn, units) if memory else []
+        with uncompiled():
+            timeline = measure_timeline(model, batch, loss_fn, units) if memory else []
     except TraceError:
         raise
     except Exception as e:
