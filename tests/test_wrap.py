@@ -1562,6 +1562,89 @@ def test_a_model_compiled_in_place_traces_and_plans_as_it_runs_eagerly() -> None
     assert any(u.decision != Decision.KEEP for u in plan.units)
 
 
+class _CheckpointingNet(nn.Module):
+    """Blocks that checkpoint themselves with ``torch.utils.checkpoint``, around the block or around its MLP."""
+
+    def __init__(self, around: bool, d: int = 32) -> None:
+        super().__init__()
+        self.around = around
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(_CheckpointingBlock(not around, d) for _ in range(3))
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.around else b(x)
+        return self.out(x.mean(1))
+
+
+class _CheckpointingBlock(nn.Module):
+    def __init__(self, inside: bool, d: int) -> None:
+        super().__init__()
+        self.inside = inside
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.ln(x)
+        return x + (checkpoint(self.mlp, h, use_reentrant=False) if self.inside else self.mlp(h))
+
+
+@pytest.mark.parametrize("around", [False, True], ids=["inside units", "around units"])
+@pytest.mark.parametrize("decision", [Decision.KEEP, Decision.RECOMPUTE, Decision.RECOMPUTE_CHEAP])
+def test_a_models_own_checkpoints_run_as_the_model_has_them(around: bool, decision: Decision) -> None:
+    """A model that calls ``torch.utils.checkpoint`` itself: inside its checkpoints nothing of zoomem's plan runs
+    (no compact form, no recomputed unit), since their recomputation in backward runs outside the plan. Before,
+    torch raised "Recomputed values ... have different metadata" in backward wherever a plan put a compact form or
+    a recomputed unit there. Around them, the plan runs as made: gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = _CheckpointingNet(around)
+    x, y = torch.randn(8, 64, 16), torch.randint(0, 10, (8,))
+    loss_fn = lambda out, b: nn.functional.cross_entropy(out, y)  # noqa: E731
+    reference = copy.deepcopy(model)
+    loss_fn(reference(x), None).backward()
+    zoomem.wrap(model, loss_fn=loss_fn, batch=(x,))  # plans, and installs the compact forms its plans may switch on
+    (plan,) = model._zoomem.plans.values()
+    for u in plan.units:
+        u.decision, u.compact = decision, decision == Decision.KEEP
+    plan.outside_compact = True
+    for _ in range(2):
+        loss = loss_fn(model(x), None)
+        loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+        model.zero_grad(set_to_none=True)
+    assert model._zoomem.last_sig is not None
+
+
+@pytest.mark.parametrize("around", [False, True], ids=["inside units", "around units"])
+def test_a_models_own_checkpoints_under_a_lossy_level(around: bool, caplog) -> None:
+    """Under ``L2`` the units the model checkpoints itself keep their place in the saved-tensor store (their saves
+    are the model's checkpoint's): steps save what the plan's forward saved, with no warning that they left it,
+    and train at the level's noise."""
+    torch.manual_seed(0)
+    model = _CheckpointingNet(around, d=64)
+    x, y = torch.randn(16, 128, 16), torch.randint(0, 10, (16,))
+    loss_fn = lambda out, b: nn.functional.cross_entropy(out, y)  # noqa: E731
+    reference = copy.deepcopy(model)
+    loss_fn(reference(x), None).backward()
+    zoomem.wrap(model, level="L2", loss_fn=loss_fn)
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        for _ in range(2):
+            loss_fn(model(x), None).backward()
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert torch.linalg.norm(p.grad - q.grad) <= 0.1 * torch.linalg.norm(q.grad), name
+            model.zero_grad(set_to_none=True)
+    (plan,) = model._zoomem.plans.values()
+    assert plan.bits
+    assert not [r.message for r in caplog.records if "saved" in r.message and "its plan" in r.message]
+
+
 def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks() -> None:
     """A ``recompute_cheap`` unit's cached matmul outputs stay exact and out of zoomem's saved-tensor store (the
     planner counts them so), chosen explicitly: torch warns that its default will flip."""

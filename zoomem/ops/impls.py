@@ -32,6 +32,7 @@ from ..measure import is_out_of_memory
 from ..state import restore_buffers, training_scope
 from . import functional as Zf
 from .attention import attention_applies, attention_forward
+from .checkpoints import in_models_checkpoint
 from .loss import record_head, routed_forward, tied_embedding
 from .rebuild import register as register_rebuild
 from .rebuild import running as rebuild_scope
@@ -188,8 +189,10 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 
 def dispatch_impl(module: nn.Module, impl: Impl, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``impl`` in training when something needs a gradient, else the module's ``original`` forward."""
-    if not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs):
+    """Run ``impl`` in training when something needs a gradient, else the module's ``original`` forward (also
+    inside a checkpoint of the model's own, whose recomputation must see the ops its forward ran)."""
+    if (not module.training or not torch.is_grad_enabled() or not _needs_grad(module, args, kwargs)
+            or in_models_checkpoint()):
         return original(*args, **kwargs)
     with rebuild_scope(module):
         if impl.wraps:

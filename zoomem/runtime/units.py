@@ -29,6 +29,7 @@ from ..batch import Batch
 from ..graph.timeline import meter_busy, restored_state
 from ..measure import MemoryMeter
 from ..ops import op_spec
+from ..ops.checkpoints import own_checkpoint
 from ..planner import EXPENSIVE_KINDS, Decision
 from ..state import restore_buffers
 from .chain import Chain, bring_back
@@ -148,8 +149,13 @@ def run_unit(
     if decision == Decision.KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     forward, args, kwargs = _as_called(forward, args, kwargs, chain if decision == Decision.RECOMPUTE_CHAIN else None)
+
+    def own(*a: Any, **k: Any) -> Any:  # (a checkpoint of the model's own inside runs as the model has it)
+        with own_checkpoint():
+            return forward(*a, **k)
+
     return checkpoint(
-        forward,
+        own,
         *args,
         use_reentrant=False,
         preserve_rng_state=True,

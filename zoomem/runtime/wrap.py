@@ -41,6 +41,7 @@ from ..ops.functional import separate_masks, stores_lossily
 from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
+from ..ops.checkpoints import in_models_checkpoint
 from ..state import parameter_hooks_off, restore_buffers, uncompiled
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
@@ -1809,7 +1810,9 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         original = inner[0]
         active = handle.active
-        decision = active.decisions.get(unit.name, Decision.KEEP) if active is not None else Decision.KEEP
+        # a unit the model checkpoints itself runs as the model has it: that recomputation runs outside any plan
+        planned = active is not None and not in_models_checkpoint()
+        decision = active.decisions.get(unit.name, Decision.KEEP) if planned else Decision.KEEP  # type: ignore[union-attr]
 
         as_stored = False  # whether the compact forms run as stored in this forward (set once the store says)
 
@@ -1822,9 +1825,9 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
             finally:
                 handle.active = previous
 
-        if active is not None and active.recomputes and torch.is_grad_enabled():
+        if planned and active.recomputes and torch.is_grad_enabled():  # type: ignore[union-attr]
             args, kwargs = handle.adapter.recompute_inputs(unit.module, args, kwargs)  # no KV cache written twice
-        chain = active.chain if active is not None and torch.is_grad_enabled() else None
+        chain = active.chain if planned and torch.is_grad_enabled() else None  # type: ignore[union-attr]
         recipe = None
         if chain is not None and unit.name in active.feeds_chain:  # type: ignore[union-attr]
             @contextlib.contextmanager
