@@ -20,6 +20,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoomem.ops import functional as Zf
+from zoomem.ops.checkpoints import own_checkpoint
 from zoomem.ops.impls import IMPLS, Impl, find_inplace_writers, impls_for, install_impl, installed_impl, register_impl
 from zoomem.ops.packbits import narrowest_uint, pack_bool, packed_nbytes, unpack_bool
 
@@ -28,6 +29,16 @@ timm = pytest.importorskip("timm")
 
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
+
+
+def _as_zoomem_recomputes(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` as zoomem's recomputation of a unit runs it, under its own checkpoint: inside a checkpoint of the
+    model's own the compact forms run the stock ops (:mod:`zoomem.ops.checkpoints`)."""
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        with own_checkpoint():
+            return fn(*args)
+
+    return run
 
 
 def saved_bytes(fn: Callable[[], torch.Tensor], exclude: nn.Module) -> tuple[torch.Tensor, int]:
@@ -1404,7 +1415,8 @@ def test_batchnorm_rebuilt_output_inside_a_checkpoint_fed_from_outside() -> None
         x = x0.clone().requires_grad_(True)
         z = s(x)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, torch.clone):  # the recomputation gets another
-            out = checkpoint(b, z, use_reentrant=False)  # tensor, as where zoomem's chain brings an input back
+            out = checkpoint(_as_zoomem_recomputes(b), z, use_reentrant=False)  # tensor, as where zoomem's chain
+            # brings an input back
         out.square().sum().backward()
         grads.append([x.grad, *(p.grad for p in (*s.parameters(), *b.parameters()))])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -1454,7 +1466,7 @@ def test_conv_split_backward_gives_its_input_gradient_the_input_the_weight_gradi
         w_stock = w.detach().clone().requires_grad_(True)
         (stock(w_stock * 2) * torch.arange(4.0).view(1, 4, 1, 1)).sum().backward()
         if case == "recomputed":
-            y = torch.utils.checkpoint.checkpoint(lambda t: conv(t * 2), w, use_reentrant=False)
+            y = torch.utils.checkpoint.checkpoint(_as_zoomem_recomputes(lambda t: conv(t * 2)), w, use_reentrant=False)
             held = []
         else:
             h = w * 2
