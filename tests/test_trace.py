@@ -185,3 +185,29 @@ def test_rises_are_not_measured_inside_an_open_meter() -> None:
                                        {units[0].name: Decision.RECOMPUTE_CHEAP}) == {}
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_a_unit_called_more_than_once_per_forward_is_counted_and_named_once(caplog) -> None:
+    """A layer shared across depth (ALBERT's, a weight-tied GNN's) runs several times in one forward, all its calls
+    one segment of the graph: the trace counts the calls, and says once per model what that does to its plans."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 16)])
+            self.out = nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for _ in range(3):
+                x = self.layers[0](x)
+            return self.out(self.layers[1](x))
+
+    model, x = Tied(), torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="zoomem"):
+        graph = zoomem.trace(model, (x,), loss_fn=lambda out, b: out.sum(), memory=False)
+        zoomem.trace(model, (x,), loss_fn=lambda out, b: out.sum(), memory=False)
+    assert {u.name: u.calls for u in graph.units if u.name != OUTSIDE} == {"layers.0": 3, "layers.1": 1}
+    said = [r.message for r in caplog.records if "ran 3 times in one forward" in r.message]
+    assert len(said) == 1 and "'layers.0'" in said[0]

@@ -65,6 +65,8 @@ class UnitInfo:
     unit got one of them as an argument too, the number of units whose forward had started when the last such
     call returned (0: none). Its caller's frame holds an argument until the call returns, so dropping the input
     (``RECOMPUTE_CHAIN``) frees it only then: timm's ResNet holds a stage's input through all of the stage.
+    ``calls``: how many times the unit's forward ran in the traced forward (more than once: a layer shared across
+    depth, as ALBERT's, or a backbone run on several views inside one forward; all its calls are one segment).
     """
 
     name: str
@@ -79,6 +81,7 @@ class UnitInfo:
     time_bwd_s: float = 0.0
     input_storages: list[int] = field(default_factory=list)
     inputs_held_to: int = 0
+    calls: int = 0
 
 
 @dataclass

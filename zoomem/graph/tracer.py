@@ -351,9 +351,12 @@ def trace(
         calls.append(({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)}, []))
 
     unit_inputs: dict[str, list[int]] = {}
+    unit_calls: dict[str, int] = {}
 
     def unit_pre_hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
         name = names.get(mod, "?")
+        if state.phase == "forward":
+            unit_calls[name] = unit_calls.get(name, 0) + 1
         if name not in unit_inputs:
             leaves = pytree.tree_leaves((args, kwargs))
             unit_inputs[name] = sorted({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)})
@@ -484,8 +487,29 @@ def trace(
     for u in graph.units:
         u.input_storages = unit_inputs.get(u.name, [])
         u.inputs_held_to = held_to.get(u.name, 0)
+        u.calls = unit_calls.get(u.name, 0)
     _dedupe_across_units(graph, counted)
+    _say_repeated_units(model, graph)
     return graph
+
+
+_SAID_REPEATED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _say_repeated_units(model: nn.Module, graph: OpGraph) -> None:
+    """Log once per model and unit that a unit ran more than once in one forward: its calls are planned as one
+    stretch, so recomputing it is priced as holding every call's activations at once, and plans gain little
+    from it (ALBERT's shared layer registered as a unit: 96% of plain PyTorch's peak at the least)."""
+    said = _SAID_REPEATED.setdefault(model, set())
+    for u in graph.units:
+        if u.calls > 1 and u.name not in said:
+            said.add(u.name)
+            logger.warning(
+                "zoomem: unit %r (%s) ran %d times in one forward (a layer shared across depth, or a backbone run "
+                "on several views inside one forward): zoomem plans its calls as one, so recomputing it saves "
+                "little. Where each call is a forward of its own module, make those the units (wrap the backbone "
+                "and call it once per view); a layer shared across depth has no such split yet.",
+                u.name, u.cls, u.calls)
 
 
 def _dedupe_across_units(graph: OpGraph, counted: dict[str, set[int]]) -> None:
