@@ -1642,6 +1642,29 @@ def test_a_models_own_checkpoints_under_a_lossy_level(around: bool, caplog) -> N
     assert not [r.message for r in caplog.records if "saved" in r.message and "its plan" in r.message]
 
 
+def test_a_unit_run_outside_the_wrapped_forward_says_so_once(caplog) -> None:
+    """timm's ``model.forward_features(x)`` on a wrapped model runs its units outside the wrapped forward, where no
+    plan is in force: plain PyTorch, saving nothing. It used to pass silently; now one warning says so and what to
+    wrap. Eval, ``no_grad``, ``zoomem.disabled`` and the planned step itself (with its recomputation) say nothing."""
+    model, adapter, batch = zoo.small("timm/resnet18", batch_size=2)
+    zoomem.wrap(model, strategy="all", adapter=adapter)
+    x = batch.args[0]
+    with caplog.at_level(logging.WARNING, logger="zoomem"):
+        adapter.loss(model, batch, model(x)).backward()  # planned, every unit recomputed in backward
+        with zoomem.disabled(model):
+            model.forward_features(x).mean().backward()
+        with torch.no_grad():
+            model.forward_features(x)
+        model.eval()
+        model.forward_features(x).mean().backward()
+        model.train()
+        assert not [r for r in caplog.records if "outside" in r.message]
+        for _ in range(2):
+            model.forward_features(x).mean().backward()
+    said = [r.message for r in caplog.records if "ran a training forward outside ResNet.forward" in r.message]
+    assert len(said) == 1 and "forward_features" in said[0]
+
+
 def test_cheap_recomputation_keeps_its_matmul_outputs_outside_surrounding_hooks() -> None:
     """A ``recompute_cheap`` unit's cached matmul outputs stay exact and out of zoomem's saved-tensor store (the
     planner counts them so), chosen explicitly: torch warns that its default will flip."""

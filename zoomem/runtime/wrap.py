@@ -183,6 +183,7 @@ class _Handle:
     outside units' forms (:data:`OUTSIDE_UNITS`)."""
     last_graph: OpGraph | None = None
     compile_warned: bool = False
+    unplanned_warned: bool = False
     hooks_warned: bool = False
     variants: dict[str, list[Plan]] = field(default_factory=dict)
     """Per plan signature, plans of a compression level made on batches of that signature whose forward saved other
@@ -284,6 +285,20 @@ class _Handle:
             _log_rank0("zoomem: torch.compile runs this model's training step uncompiled where zoomem's plan runs "
                        "(the model's forward, or each unit compiled in place: the plan traces, recomputes and stores "
                        "saved tensors in ways Dynamo cannot follow); eval and no_grad forwards compile as usual",
+                       level=logging.WARNING)
+
+    def note_unplanned(self, unit: Unit) -> None:
+        """Say once that a unit ran a training forward outside the wrapped model's forward, where no plan is in
+        force (timm's ``model.forward_features(x)``, an HF model's ``model.base_model(...)``): it ran as plain
+        PyTorch, saving nothing, where before stop 57 nothing said so."""
+        if not self.unplanned_warned:
+            self.unplanned_warned = True
+            name = type(self.model).__name__
+            _log_rank0("zoomem: %s's unit %r ran a training forward outside %s.forward (another method, as timm's "
+                       "model.forward_features(x), or a submodule called directly, as an HF model's "
+                       "model.base_model(...)): no plan is in force there, so it ran as plain PyTorch and saved "
+                       "no memory. Wrap the module your training step calls (zoomem.wrap(model.base_model, ...), or "
+                       "a module of your own around the backbone and head) to plan it.", name, unit.name, name,
                        level=logging.WARNING)
 
     def _planned(self, sig: tuple) -> bool:  # type: ignore[type-arg]
@@ -1810,6 +1825,9 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         original = inner[0]
         active = handle.active
+        if (active is None and handle.enabled and not handle.busy and unit.module.training
+                and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1):  # (not a recomputation)
+            handle.note_unplanned(unit)
         # a unit the model checkpoints itself runs as the model has it: that recomputation runs outside any plan
         planned = active is not None and not in_models_checkpoint()
         decision = active.decisions.get(unit.name, Decision.KEEP) if planned else Decision.KEEP  # type: ignore[union-attr]
