@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["parameter_hooks_off", "restore_buffers", "set_training", "snapshot_buffers", "training_scope",
-           "uncompiled"]
+__all__ = ["parameter_hooks_off", "planning_passes", "restore_buffers", "set_training", "snapshot_buffers",
+           "training_scope", "uncompiled"]
 
 
 def set_training(model: nn.Module, mode: bool = True) -> Callable[[], None]:
@@ -103,3 +103,11 @@ def uncompiled() -> contextlib.AbstractContextManager[None]:
     passes' hooks and meter marks (recompiling at each), hide their ops from the tracer and raise on zoomem's
     checkpoints."""
     return torch.compiler.set_stance("force_eager")  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def planning_passes(model: nn.Module) -> Iterator[None]:
+    """Inside, planning's passes over ``model`` run as they must: its parameters' hooks off
+    (:func:`parameter_hooks_off`) and nothing compiled (:func:`uncompiled`)."""
+    with parameter_hooks_off(model), uncompiled():
+        yield

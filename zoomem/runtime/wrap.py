@@ -42,7 +42,7 @@ from ..ops.loss import set_skip_logits, skips_logits
 from ..planner.scale import Scale, scale_costs, scale_saved, sizes_within, trace_sizes
 from ..planner.solve import SAFETY_MARGIN, min_feasible_budget, unit_modes
 from ..ops.checkpoints import in_models_checkpoint
-from ..state import parameter_hooks_off, restore_buffers, uncompiled
+from ..state import planning_passes, restore_buffers
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
@@ -261,15 +261,14 @@ class _Handle:
         top of zoomem's, like Accelerate's mixed-precision one, is not re-entered: its autocast state is not
         re-entrant), and autocast's weight-cast cache is cleared afterwards (the planning forwards filled it, and
         selective recomputation must see the same casts in the step as in its recomputation). The hooks on the
-        model's parameters are not called inside (:func:`~zoomem.state.parameter_hooks_off`), nor compiled code
-        (:func:`~zoomem.state.uncompiled`)."""
+        model's parameters are not called inside, nor compiled code (:func:`~zoomem.state.planning_passes`)."""
         was_busy, self.busy = self.busy, True
         outer = self.model.__dict__.get("forward")
         swap = self.forward is not None and outer is not self.forward
         if swap:
             self.model.__dict__["forward"] = self.forward
         try:
-            with parameter_hooks_off(self.model), uncompiled():
+            with planning_passes(self.model):
                 yield
         finally:
             if swap:
@@ -1588,8 +1587,8 @@ def plan(
     handle: _Handle | None = model.__dict__.get(_ATTR)
     native = _native_checkpointing_off(model, adapter, "zoomem.plan", "it is on again when the plan returns")
     try:
-        with handle.planning_scope() if handle is not None else parameter_hooks_off(model), \
-                _skipping_logits(model, skip_logits), uncompiled():
+        with handle.planning_scope() if handle is not None else planning_passes(model), \
+                _skipping_logits(model, skip_logits):
             new = _seeing_the_loss(lambda: _make(model, batch, budget, strategy, adapter, optimizer, loss_fn,
                                                  time_limit, compress=options, level=lvl,
                                                  trace_batch_size=trace_batch_size, others=forwards_per_step - 1))
