@@ -189,7 +189,9 @@ def test_rises_are_not_measured_inside_an_open_meter() -> None:
 
 def test_a_unit_called_more_than_once_per_forward_is_counted_and_named_once(caplog) -> None:
     """A layer shared across depth (ALBERT's, a weight-tied GNN's) runs several times in one forward, all its calls
-    one segment of the graph: the trace counts the calls, and says once per model what that does to its plans."""
+    one segment of the graph: the trace counts the calls, and marks a unit whose calls have another unit between
+    them (planning splits the others call by call, :mod:`zoomem.runtime.calls`), saying once per model what that
+    does to its plans."""
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -204,10 +206,19 @@ def test_a_unit_called_more_than_once_per_forward_is_counted_and_named_once(capl
                 x = self.layers[0](x)
             return self.out(self.layers[1](x))
 
-    model, x = Tied(), torch.randn(4, 8)
+    class Interleaved(Tied):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.layers[0](self.layers[1](self.layers[0](self.inp(x)))))
+
+    x = torch.randn(4, 8)
     with caplog.at_level("WARNING", logger="zoomem"):
-        graph = zoomem.trace(model, (x,), loss_fn=lambda out, b: out.sum(), memory=False)
+        graph = zoomem.trace(Tied(), (x,), loss_fn=lambda out, b: out.sum(), memory=False)
+        model = Interleaved()
+        other = zoomem.trace(model, (x,), loss_fn=lambda out, b: out.sum(), memory=False)
         zoomem.trace(model, (x,), loss_fn=lambda out, b: out.sum(), memory=False)
-    assert {u.name: u.calls for u in graph.units if u.name != OUTSIDE} == {"layers.0": 3, "layers.1": 1}
-    said = [r.message for r in caplog.records if "ran 3 times in one forward" in r.message]
-    assert len(said) == 1 and "'layers.0'" in said[0]
+    assert {u.name: (u.calls, u.interleaved) for u in graph.units if u.name != OUTSIDE} == {
+        "layers.0": (3, False), "layers.1": (1, False)}
+    assert {u.name: (u.calls, u.interleaved) for u in other.units if u.name != OUTSIDE} == {
+        "layers.0": (2, True), "layers.1": (1, False)}
+    said = [r.message for r in caplog.records if "in one forward with other units between its calls" in r.message]
+    assert len(said) == 1 and "'layers.0'" in said[0] and "ran 2 times" in said[0]

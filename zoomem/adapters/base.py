@@ -28,7 +28,10 @@ class Unit:
 
     @property
     def cls(self) -> str:
-        return type(self.module).__name__
+        """The class of the module its forward runs (a shared layer's, for one of its calls)."""
+        from ..runtime.calls import shared_module
+
+        return type(shared_module(self.module)).__name__
 
 
 def output_loss(output: Any) -> torch.Tensor | None:

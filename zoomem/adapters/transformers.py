@@ -113,6 +113,12 @@ MLM_PROBABILITY = 0.15
 """Share of the tokens a masked-LM example batch labels (``DataCollatorForLanguageModeling``'s default)."""
 
 
+SHARED_LAYERS = frozenset({"AlbertLayer"})
+"""HF layers that one module runs for every layer of the model (ALBERT shares its layer across depth) and that are
+no ``GradientCheckpointingLayer``: each is a unit, and planning splits its calls into units of their own
+(:mod:`zoomem.runtime.calls`); the generic split took the whole backbone as one unit."""
+
+
 def _checkpointing_layer() -> type | None:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -221,7 +227,8 @@ class TransformersAdapter(Adapter):
         found = [(n, m) for n, m in model.named_modules() if gc_layer is not None and isinstance(m, gc_layer)]
         units = [Unit(n, m) for n, m in outermost(found)]
         if not units:
-            units = sequential_units(model)
+            units = [Unit(n, m) for n, m in model.named_modules()
+                     if type(m).__name__ in SHARED_LAYERS and is_hf_layer(m)] or sequential_units(model)
         return with_registered_blocks(model, units)
 
     def example_batch(

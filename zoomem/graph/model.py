@@ -67,6 +67,8 @@ class UnitInfo:
     (``RECOMPUTE_CHAIN``) frees it only then: timm's ResNet holds a stage's input through all of the stage.
     ``calls``: how many times the unit's forward ran in the traced forward (more than once: a layer shared across
     depth, as ALBERT's, or a backbone run on several views inside one forward; all its calls are one segment).
+    ``interleaved``: another unit ran between two of its calls (a backbone run on two views with a head between):
+    planning then keeps its calls one unit (:mod:`zoomem.runtime.calls` splits the others call by call).
     """
 
     name: str
@@ -82,6 +84,7 @@ class UnitInfo:
     input_storages: list[int] = field(default_factory=list)
     inputs_held_to: int = 0
     calls: int = 0
+    interleaved: bool = False
 
 
 @dataclass

@@ -289,6 +289,7 @@ def trace(
     batch_size: int = 2,
     train: bool = True,
     memory: bool = True,
+    units: list[Unit] | None = None,
     **sizes: int,
 ) -> OpGraph:
     """Trace one training step of ``model`` into an :class:`OpGraph`.
@@ -304,6 +305,8 @@ def trace(
         memory: run the step a second time, plainly, to measure its memory timeline unit by unit (CPU:
             profiler allocator trace; CUDA: allocator statistics), the figures the planner predicts peaks
             from. Skipped, with a log line, when a profiler or :class:`~zoomem.MemoryMeter` is running.
+        units: the units to trace, in forward order (planning passes a shared layer's calls, each a unit:
+            :mod:`zoomem.runtime.calls`); the adapter's by default.
 
     Returns:
         The graph. The model's parameters, gradients, buffers, mode and the RNG state are as before.
@@ -319,7 +322,7 @@ def trace(
         adapter = get_adapter(model, adapter)
     batch = adapter.example_batch(model, batch_size, **sizes) if batch is None else Batch.of(batch, model)
     loss_fn = loss_fn or (lambda out, b: adapter.loss(model, b, out))  # type: ignore[union-attr]
-    units = adapter.units(model)
+    units = adapter.units(model) if units is None else units
 
     state = _State()
     ids = _Ids(state)
@@ -337,6 +340,8 @@ def trace(
     device = next((t.device for t in params + batch.tensors()), torch.device("cpu"))
     state.sync_cuda = device.type == "cuda"
     names = {m: n for n, m in model.named_modules()}
+    apart = [u.module for u in units if u.module not in names]  # a shared layer's calls (no child of the model)
+    names.update({u.module: u.name for u in units})
     state.unit_of_module = {u.name: u.name for u in units}
     spans = _CallSpans(state)
 
@@ -352,11 +357,13 @@ def trace(
 
     unit_inputs: dict[str, list[int]] = {}
     unit_calls: dict[str, int] = {}
+    call_order: list[str] = []
 
     def unit_pre_hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
         name = names.get(mod, "?")
         if state.phase == "forward":
             unit_calls[name] = unit_calls.get(name, 0) + 1
+            call_order.append(name)
         if name not in unit_inputs:
             leaves = pytree.tree_leaves((args, kwargs))
             unit_inputs[name] = sorted({ids.storage(t) for t in leaves if isinstance(t, torch.Tensor)})
@@ -404,7 +411,7 @@ def trace(
                 p.grad = None
             for u in units:
                 handles.append(u.module.register_forward_pre_hook(unit_pre_hook, with_kwargs=True))
-            for mod in model.modules():
+            for mod in [*model.modules(), *apart]:
                 handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(mod.register_forward_hook(post_hook))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
@@ -488,6 +495,9 @@ def trace(
         u.input_storages = unit_inputs.get(u.name, [])
         u.inputs_held_to = held_to.get(u.name, 0)
         u.calls = unit_calls.get(u.name, 0)
+        if u.calls > 1:
+            at = [i for i, name in enumerate(call_order) if name == u.name]
+            u.interleaved = len(set(call_order[at[0]:at[-1] + 1])) > 1
     _dedupe_across_units(graph, counted)
     _say_repeated_units(model, graph)
     return graph
@@ -497,18 +507,19 @@ _SAID_REPEATED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakK
 
 
 def _say_repeated_units(model: nn.Module, graph: OpGraph) -> None:
-    """Log once per model and unit that a unit ran more than once in one forward: its calls are planned as one
-    stretch, so recomputing it is priced as holding every call's activations at once, and plans gain little
-    from it (ALBERT's shared layer registered as a unit: 96% of plain PyTorch's peak at the least)."""
+    """Log once per model and unit that a unit ran more than once in one forward with other units between its
+    calls: planning keeps such calls one stretch (it splits the calls of a layer shared across depth, which run
+    one after another), so recomputing it is priced as holding every call's activations at once, and plans gain
+    little from it."""
     said = _SAID_REPEATED.setdefault(model, set())
     for u in graph.units:
-        if u.calls > 1 and u.name not in said:
+        if u.interleaved and u.name not in said:
             said.add(u.name)
             logger.warning(
-                "zoomem: unit %r (%s) ran %d times in one forward (a layer shared across depth, or a backbone run "
-                "on several views inside one forward): zoomem plans its calls as one, so recomputing it saves "
-                "little. Where each call is a forward of its own module, make those the units (wrap the backbone "
-                "and call it once per view); a layer shared across depth has no such split yet.",
+                "zoomem: unit %r (%s) ran %d times in one forward with other units between its calls (a backbone "
+                "run on several views inside one forward, say): zoomem plans its calls as one, so recomputing it "
+                "saves little. Where each call is a forward of its own module, make those the units (wrap the "
+                "backbone and call it once per view).",
                 u.name, u.cls, u.calls)
 
 

@@ -40,12 +40,13 @@ class Rebuild:
 
 
 _REGISTRY: dict[int, tuple[weakref.ref, int, Rebuild, object]] = {}
-_OWNER: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+_OWNER: "weakref.WeakKeyDictionary[nn.Module, str | Callable[[], str | None]]" = weakref.WeakKeyDictionary()
 _SCOPE: contextvars.ContextVar[object] = contextvars.ContextVar("zoomem_rebuild_scope", default=None)
 
 
-def set_owner(module: nn.Module, unit: str) -> None:
-    """Record the unit ``module`` runs in: a registration is used only by modules of the same unit."""
+def set_owner(module: nn.Module, unit: str | Callable[[], str | None]) -> None:
+    """Record the unit ``module`` runs in: a registration is used only by modules of the same unit. A callable
+    names it as the module runs (a shared layer's module runs in each of its calls' units)."""
     _OWNER[module] = unit
 
 
@@ -56,7 +57,8 @@ def running(module: nn.Module) -> Iterator[None]:
     A recomputed unit must save the same tensors in its recomputation as in its forward. Its input there is the
     checkpoint's copy, never registered, so a lookup of an input registered outside the unit would differ between
     the two; scoping by unit rules that out (and drops what an earlier unit registered, with what it holds)."""
-    token = _SCOPE.set(_OWNER.get(module))
+    owner = _OWNER.get(module)
+    token = _SCOPE.set(owner() if callable(owner) else owner)
     try:
         yield
     finally:

@@ -190,7 +190,7 @@ class Plan:
         ]
         for u in self.units:
             lines.append(
-                f"{u.name[:34]:<34} {u.decision.value + (' + compact' if u.compact else ''):<26} "
+                f"{_tail(u.name, 34):<34} {u.decision.value + (' + compact' if u.compact else ''):<26} "
                 f"{u.kept_bytes / _MIB:>9.2f} {1e3 * u.recompute_s:>13.2f}"
             )
         lines.append("-" * len(head))
@@ -296,3 +296,9 @@ def parse_budget(budget: int | float | str | None, baseline_peak: int | None = N
             "plain PyTorch's peak ('60%'), an int of bytes or a float fraction."
         )
     raise TypeError(f"budget must be an int, float or str, got {type(budget).__name__}.")
+
+
+def _tail(name: str, width: int) -> str:
+    """``name`` cut to ``width`` characters from the left, where the units' names differ (``encoder.layer.11``, a
+    shared layer's ``...albert_layers.0#11``)."""
+    return name if len(name) <= width else "..." + name[len(name) - width + 3:]

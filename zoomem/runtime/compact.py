@@ -25,6 +25,7 @@ from ..ops.impls import OutputUses, check_impls, scan_outputs
 from ..ops.impls import dispatch_impl, set_attribute, with_setup
 from ..ops.rebuild import set_owner
 from ..planner import OUTSIDE_UNITS
+from .calls import CallUnit, current_call, shared_module
 from .patch import set_forward
 
 logger = logging.getLogger(__name__)
@@ -56,21 +57,33 @@ def choose_impls(
     """Per unit name: the (module, implementation) pairs its ``compact`` switch turns on.
 
     A module reachable from two units or from outside them (PyG's GIN passes one activation module to every
-    conv) is skipped: one switch per module, or a recomputation could run another form than its forward. With
-    ``outside``, modules that only code outside every unit runs get their own switch, :data:`OUTSIDE_UNITS`.
+    conv) is skipped: one switch per module, or a recomputation could run another form than its forward. The
+    calls of a shared layer (:mod:`zoomem.runtime.calls`) are the exception: its modules are candidates of each
+    call, and run the form of the call they are in (:func:`install_switched`). With ``outside``, modules that only
+    code outside every unit runs get their own switch, :data:`OUTSIDE_UNITS`.
     """
     candidates: dict[str, list[tuple[str, nn.Module, list[Impl]]]] = {}
     owners: dict[int, set[str]] = {}  # a module shared by two units, or also used outside them, is left alone
+    calls = {u.name: u.module.split_name for u in units if isinstance(u.module, CallUnit)}
+    shared = set(calls.values())
     for path, mod in model.named_modules(remove_duplicate=False):
         owner = next((u.name for u in units if path == u.name or path.startswith(u.name + ".")), "")
+        if not owner and any(path == n or path.startswith(n + ".") for n in shared):
+            continue  # a shared layer's: owned by its calls (below)
         owners.setdefault(id(mod), set()).add(owner)
+    for name, split in calls.items():
+        for mod in next(u.module for u in units if u.name == name).modules():
+            owners.setdefault(id(mod), set()).add(name)
+    paths = {id(mod): path for path, mod in model.named_modules()}  # (a shared layer's modules: their own)
     for unit in units:
+        split = calls.get(unit.name)
         for name, mod in unit.module.named_modules():
-            impls = impls_for(mod) if owners.get(id(mod)) == {unit.name} else []
-            if mod is unit.module:  # the unit's own forward runs the plan: only input-changing impls go on it
-                impls = [i for i in impls if i.wraps]
+            mine = owners.get(id(mod), set())
+            impls = impls_for(mod) if mine == {unit.name} or split and {calls.get(o) for o in mine} == {split} else []
+            if mod is shared_module(unit.module):  # the unit's own forward runs the plan: only input-changing
+                impls = [i for i in impls if i.wraps]  # impls go on it
             if impls:
-                full = ".".join(n for n in (unit.name, name) if n)
+                full = paths[id(mod)] if split else ".".join(n for n in (unit.name, name) if n)
                 candidates.setdefault(unit.name, []).append((full, mod, impls))
     if outside:
         for path, mod in model.named_modules():
@@ -100,7 +113,8 @@ def choose_impls(
                     first.get(w) is not None and first[w].name in PASSES_REBUILD for w in writers.get(full, []))):
                 continue  # a rebuildable output only where nothing but an activation passing it on changes it
             chosen[unit].append((mod, impl))
-            set_owner(mod, unit)  # tensors one of its forms makes rebuildable are rebuilt within the unit
+            # tensors one of its forms makes rebuildable are rebuilt within the unit (a shared layer's: the call)
+            set_owner(mod, current_call if unit in calls else unit)
     return chosen
 
 
@@ -113,8 +127,9 @@ def _drop_unchecked(model: nn.Module, candidates: dict[str, list[tuple[str, nn.M
     """Take out of ``candidates`` the checked implementations (``Impl.checked``) that compute otherwise than their
     module on ``batch`` (:func:`check_impls`, once per module and implementation: the first plan's choice is the one
     installed)."""
-    todo = [(full, mod, impl) for pairs in candidates.values() for full, mod, impls in pairs for impl in impls
-            if impl.checked and impl.name not in _VERDICTS.get(mod, {})]
+    todo = list({(id(mod), impl.name): (full, mod, impl) for pairs in candidates.values()  # (a shared layer's
+                 for full, mod, impls in pairs for impl in impls  # modules: once)
+                 if impl.checked and impl.name not in _VERDICTS.get(mod, {})}.values())
     if todo:
         failed = check_impls(model, todo, *batch.args, **batch.kwargs)
         for full, mod, impl in todo:
@@ -129,9 +144,21 @@ def _drop_unchecked(model: nn.Module, candidates: dict[str, list[tuple[str, nn.M
         candidates[unit] = [(full, mod, impls) for full, mod, impls in candidates[unit] if impls]
 
 
+def _by_module(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> list[tuple[nn.Module, Impl, list[str]]]:
+    """Each chosen (module, implementation) once, with the units it is chosen for (several: the calls of a shared
+    layer, :mod:`zoomem.runtime.calls`)."""
+    seen: dict[tuple[int, str], tuple[nn.Module, Impl, list[str]]] = {}
+    for unit, pairs in chosen.items():
+        for mod, impl in pairs:
+            seen.setdefault((id(mod), impl.name), (mod, impl, []))[2].append(unit)
+    return list(seen.values())
+
+
 def install_all(chosen: dict[str, list[tuple[nn.Module, Impl]]]) -> Callable[[], None]:
-    """Switch every chosen implementation on (for measuring); returns the undo."""
-    undos = [install_impl(mod, impl) for pairs in chosen.values() for mod, impl in pairs]
+    """Switch every chosen implementation on (for measuring); returns the undo. A shared layer's modules run them
+    in the calls ``chosen`` names."""
+    undos = [install_impl(mod, impl) if len(units) == 1 else _install_one(mod, impl, None, frozenset(units).__contains__)
+             for mod, impl, units in _by_module(chosen)]
 
     def undo() -> None:
         for u in reversed(undos):
@@ -149,23 +176,25 @@ def install_switched(
     step's plan. Returns the undos (the root implementations' setups included) and those implementations."""
     undos: list[Callable[[], None]] = []
     on_root: list[Impl] = []
-    for unit, pairs in chosen.items():
-        for mod, impl in pairs:
-            if mod is root and impl.attribute == "forward":
-                undos.append(with_setup(mod, impl, lambda: None))
-                on_root.append(impl)
-                continue
-            inner = getattr(getattr(mod, impl.attribute), UNIT_INNER, None) if impl.attribute == "forward" else None
-            if inner is not None:  # a unit's own module: inside zoomem's forward of the unit
-                undos.append(with_setup(mod, impl, _set_inner(inner, functools.partial(
-                    _switched, unit, is_on, mod, impl, inner[0]))))
-                continue
-            switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
-            if impl.attribute == "forward":
-                undos.append(with_setup(mod, impl, set_forward(mod, switched)))
-            else:
-                undos.append(with_setup(mod, impl, set_attribute(mod, impl.attribute, switched)))
+    for mod, impl, units in _by_module(chosen):
+        if mod is root and impl.attribute == "forward":
+            undos.append(with_setup(mod, impl, lambda: None))
+            on_root.append(impl)
+            continue
+        undos.append(_install_one(mod, impl, units[0] if len(units) == 1 else None, is_on))
     return undos, on_root
+
+
+def _install_one(mod: nn.Module, impl: Impl, unit: str | None, is_on: Callable[[str], bool]) -> Callable[[], None]:
+    """Install ``impl`` on ``mod`` behind the switch ``is_on(unit)`` (``unit`` ``None``: the call of a shared layer
+    that is running, :func:`~zoomem.runtime.calls.current_call`); return the undo."""
+    inner = getattr(getattr(mod, impl.attribute), UNIT_INNER, None) if impl.attribute == "forward" else None
+    if inner is not None:  # a unit's own module: inside zoomem's forward of the unit
+        return with_setup(mod, impl, _set_inner(inner, functools.partial(_switched, unit, is_on, mod, impl, inner[0])))
+    switched = functools.partial(_switched, unit, is_on, mod, impl, getattr(mod, impl.attribute))
+    if impl.attribute == "forward":
+        return with_setup(mod, impl, set_forward(mod, switched))
+    return with_setup(mod, impl, set_attribute(mod, impl.attribute, switched))
 
 
 def _set_inner(inner: list, forward: Callable[..., Any]) -> Callable[[], None]:  # type: ignore[type-arg]
@@ -185,9 +214,11 @@ def wrap_root(root: nn.Module, impls: list[Impl], forward: Callable[..., Any]) -
 
 
 def _switched(
-    unit: str, is_on: Callable[[str], bool], module: nn.Module, impl: Impl, original: Callable[..., Any],
+    unit: str | None, is_on: Callable[[str], bool], module: nn.Module, impl: Impl, original: Callable[..., Any],
     *args: Any, **kwargs: Any,
 ) -> Any:
-    if is_on(unit):
+    if unit is None:
+        unit = current_call()
+    if unit is not None and is_on(unit):
         return dispatch_impl(module, impl, original, *args, **kwargs)
     return original(*args, **kwargs)

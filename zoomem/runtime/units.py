@@ -32,6 +32,7 @@ from ..ops import op_spec
 from ..ops.checkpoints import own_checkpoint
 from ..planner import EXPENSIVE_KINDS, Decision
 from ..state import restore_buffers
+from .calls import shared_module
 from .chain import Chain, bring_back
 from .compact import UNIT_INNER
 from .patch import set_forward
@@ -226,7 +227,7 @@ def _measure_recomputations(model: nn.Module, batch: Batch, loss_fn: Callable[[A
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if recompute_inputs is not None and torch.is_grad_enabled():
-                args, kwargs = recompute_inputs(module, args, kwargs)
+                args, kwargs = recompute_inputs(shared_module(module), args, kwargs)
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
             if first is not None and torch.is_grad_enabled():  # its gradient ready: the unit's backward has run
                 hooks.append(first.register_hook(lambda grad: mark("backward", seg)))

@@ -47,6 +47,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import HANDLE, eager_under_compile, set_forward
+from .calls import shared_module, split_calls, splits_of, units_of, unsplit
 from .capture import HeldOutputGrads
 from .inflight import InFlight
 from .probe import probe_saved
@@ -267,6 +268,7 @@ class _Handle:
         swap = self.forward is not None and outer is not self.forward
         if swap:
             self.model.__dict__["forward"] = self.forward
+        calls = {name: split.next_call for name, split in splits_of(self.model).items()}
         try:
             with planning_passes(self.model):
                 yield
@@ -274,6 +276,8 @@ class _Handle:
             if swap:
                 self.model.__dict__["forward"] = outer
             self.busy = was_busy
+            for name, split in splits_of(self.model).items():  # the forward planning began in goes on counting
+                split.next_call = calls.get(name, 0)  # its shared layers' calls where it was
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
 
@@ -462,7 +466,8 @@ class _Handle:
                     return new
 
                 plan, source = from_rank(owner, make, _encode_plan, _decode_plan), top
-                self._install_forms(batch)  # (the other ranks did not trace)
+                self._split_as(plan)  # (the other ranks did not trace)
+                self._install_forms(batch)
                 plan.signature = _signature_text(top)
                 _log_rank0("zoomem: the ranks' inputs differ in shape at this step: rank %d, whose inputs hold the "
                            "others', planned %s for them (predicted peak %.1f MiB there); every rank runs it",
@@ -472,6 +477,15 @@ class _Handle:
                 self.reused[top] = source
         self.runs_smaller = sig != top or source != top  # (this rank's key stays uncached: ranks' caches stay alike)
         return plan
+
+    def _split_as(self, plan: Plan) -> None:
+        """Split the shared layers whose calls ``plan``, made on another rank, names as units (``<unit>#<i>``)."""
+        wanted: dict[str, int] = {}
+        for u in plan.units:
+            name, mark, index = u.name.rpartition("#")
+            if mark and index.isdigit():
+                wanted[name] = max(wanted.get(name, 0), int(index) + 1)
+        _split(self.model, self.adapter, wanted)
 
     def _install_forms(self, batch: Batch) -> None:
         """Put the compact forms behind their switches as planning does (:func:`install_impls`), on a rank that
@@ -774,8 +788,10 @@ def cost_model(
     plain compact form never makes), which is what lossy plans run and what their savings are counted against.
     ``grads_held``: the step starts with the gradients present (a micro-batch after the first under gradient
     accumulation): its plain memory points are measured so, the gradients' bytes on top of each."""
-    graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn)
-    units = adapter.units(model)
+    graph = graph or trace(model, batch, adapter=adapter, loss_fn=loss_fn, units=units_of(adapter, model))
+    if _split_shared(model, adapter, graph):  # a unit called several times per forward: plan it call by call
+        graph = trace(model, batch, adapter=adapter, loss_fn=loss_fn, units=units_of(adapter, model))
+    units = units_of(adapter, model)
     chosen = choose_impls(model, units, batch, outside=True)
     loss = _loss(adapter, model, loss_fn)
     as_stored = separate_masks if lossy else contextlib.nullcontext
@@ -851,6 +867,41 @@ def cost_model(
     return costs, chosen, graph
 
 
+def _split_shared(model: nn.Module, adapter: Adapter, graph: OpGraph) -> bool:
+    """Split each unit that ``graph``'s forward called more than once into a unit per call
+    (:mod:`zoomem.runtime.calls`), and grow a split one that a forward called more often than it has units; return
+    whether anything changed (then trace again). A wrapped model's handle runs the new units as planned, and
+    unwrapping undoes the split."""
+    splits = splits_of(model)
+    wanted = {u.name: u.calls for u in graph.units if u.calls > 1 and not u.interleaved}
+    wanted.update({name: s.most for name, s in splits.items() if s.most > len(s.calls)})
+    return _split(model, adapter, wanted)
+
+
+def _split(model: nn.Module, adapter: Adapter, wanted: dict[str, int]) -> bool:
+    """Split each unit named in ``wanted`` into as many call units (:func:`_split_shared`); return whether any
+    changed."""
+    handle: _Handle | None = model.__dict__.get(_ATTR)
+    current = {u.name: u for u in units_of(adapter, model)}
+    splits = splits_of(model)
+    wanted = {name: calls for name, calls in wanted.items()
+              if (name in current or name in splits) and calls > len(splits[name].calls if name in splits else ())}
+    for name, calls in wanted.items():
+        fresh = name not in splits
+        before = 0 if fresh else len(splits[name].calls)
+        split = split_calls(model, current[name] if fresh else Unit(name, splits[name].shared), calls)
+        _log_rank0("zoomem: unit %r (%s) ran %d times in one forward: each call is planned as a unit of its own "
+                   "(%s#0 to #%d)", name, type(split.shared).__name__, calls, name, calls - 1)
+        if handle is not None:
+            if fresh:
+                handle.undo.append(functools.partial(unsplit, model, name))
+            for call in split.calls[before:]:
+                handle.undo.append(set_forward(call, _unit_forward(handle, Unit(f"{name}#{call.index}", call))))
+    if wanted and handle is not None:
+        handle.units = units_of(adapter, model)
+    return bool(wanted)
+
+
 def _hold_grads(costs: CostModel, model: nn.Module, timeline: list[SegmentStat]) -> None:
     """Raise every memory point of ``costs`` to what ``timeline``, the plain step measured with the gradients
     present, has there, plus those gradients' bytes: present from the start, they add to the forward whole, and
@@ -910,7 +961,6 @@ def _make(
     others_floor: int = 0,
 ) -> Plan:
     handle = model.__dict__.get(_ATTR)
-    units = adapter.units(model)
     lossy = _lossy(level, compress)
     scale = _first_scale(batch, trace_batch_size) if graph is None else None
     (costs, chosen, graph), scale = _fitting(
@@ -918,6 +968,7 @@ def _make(
         lambda s: cost_model(model, batch, adapter, optimizer, loss_fn, graph, lossy, grads_held) if s is None
         else _scaled_cost_model(model, batch, adapter, optimizer, loss_fn, s, lossy, grads_held))
     costs.others, costs.others_floor = others, others_floor
+    units = units_of(adapter, model)  # (after the trace: a shared layer's calls may have become units)
     if handle is not None:
         handle.last_graph = graph
         install_impls(handle, chosen)
@@ -1593,6 +1644,8 @@ def plan(
                                                  time_limit, compress=options, level=lvl,
                                                  trace_batch_size=trace_batch_size, others=forwards_per_step - 1))
     finally:
+        if handle is None:
+            unsplit(model)  # a shared layer split for planning (a wrapped model keeps its split until unwrapped)
         if native is not None:
             native()
     new.extras.pop("_planning", None)
@@ -1728,7 +1781,7 @@ def wrap(
     if isinstance(adapter, str) or adapter is None:
         adapter = get_adapter(model, adapter)
     handle = _Handle(
-        model=model, budget=budget, strategy=strategy, adapter=adapter, units=adapter.units(model),
+        model=model, budget=budget, strategy=strategy, adapter=adapter, units=units_of(adapter, model),
         time_limit=time_limit, optimizer=optimizer, loss_fn=loss_fn, compress=options, level=lvl,
         sensitivity_interval=sensitivity_interval if (lvl is not None and lvl.adaptive) or options else 0,
         trace_batch_size=trace_batch_size, reuse_plans=reuse_plans, seed=torch.initial_seed() % (1 << 63),
@@ -1843,7 +1896,8 @@ def _unit_forward(handle: _Handle, unit: Unit) -> Callable[..., Any]:
                 handle.active = previous
 
         if planned and active.recomputes and torch.is_grad_enabled():  # type: ignore[union-attr]
-            args, kwargs = handle.adapter.recompute_inputs(unit.module, args, kwargs)  # no KV cache written twice
+            args, kwargs = handle.adapter.recompute_inputs(shared_module(unit.module), args, kwargs)  # no KV cache
+            # written twice
         chain = active.chain if planned and torch.is_grad_enabled() else None  # type: ignore[union-attr]
         recipe = None
         if chain is not None and unit.name in active.feeds_chain:  # type: ignore[union-attr]
