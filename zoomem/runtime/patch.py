@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["HANDLE", "eager_under_compile", "plain_state", "record_patch", "set_forward"]
+__all__ = ["HANDLE", "eager_under_compile", "is_ours", "plain_state", "record_patch", "set_forward"]
 
 HANDLE = "_zoomem"
 """The instance attribute of a wrapped model that holds its wrap (``zoomem.runtime.wrap``'s handle)."""
@@ -68,12 +68,13 @@ def plain_state(module: nn.Module | None) -> dict[str, Any]:
         state.pop(key, None)
     for key in ("_forward_hooks", "_forward_pre_hooks"):  # (the LM head's loss routing: zoomem.ops.loss)
         hooks = state.get(key)
-        if hooks and any(_ours(h) for h in hooks.values()):
-            state[key] = OrderedDict((k, h) for k, h in hooks.items() if not _ours(h))
+        if hooks and any(is_ours(h) for h in hooks.values()):
+            state[key] = OrderedDict((k, h) for k, h in hooks.items() if not is_ours(h))
     return state
 
 
-def _ours(fn: Any) -> bool:
+def is_ours(fn: Any) -> bool:
+    """Whether ``fn`` (a hook) is zoomem's own."""
     return (getattr(fn, "__module__", None) or "").startswith("zoomem.")
 
 

@@ -46,7 +46,7 @@ from ..state import planning_passes, restore_buffers
 from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from_rank0, gather, same_everywhere,
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
-from .patch import HANDLE, eager_under_compile, set_forward
+from .patch import HANDLE, eager_under_compile, is_ours, set_forward
 from .calls import shared_module, split_calls, splits_of, units_of, unsplit
 from .capture import HeldOutputGrads
 from .inflight import InFlight
@@ -685,7 +685,7 @@ def _hooked_modules(model: nn.Module) -> list[str]:
 
     def kept(*dicts: dict) -> bool:  # type: ignore[type-arg]
         return any(getattr(getattr(h, "func", h), "__name__", None) not in _STATELESS_HOOKS  # (through a partial)
-                   for d in dicts for h in d.values())
+                   and not is_ours(h) for d in dicts for h in d.values())  # (a shared layer's call counter)
 
     every = kept(torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
                  torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
