@@ -252,3 +252,46 @@ def test_a_plan_made_on_another_rank_splits_the_shared_layers_it_names() -> None
     assert len(splits_of(model)["cell"].calls) == 6
     zoomem.unwrap(model)
     assert _untouched(model)
+
+
+def test_a_shared_layers_calls_recompute_whole_under_autocast() -> None:
+    """Under autocast a shared layer's calls after its first find their weights cast already (autocast's cache),
+    and backward adds their gradients in bfloat16, as plain PyTorch does. Selective recomputation would cast them
+    again in backward, where the cache is empty (torch raised "aten._to_copy.default invocation index ... not found
+    in storage": ALBERT under Accelerate's bf16), so such a call runs ``RECOMPUTE_CHEAP`` as ``RECOMPUTE``, and plans
+    made under autocast offer it none; gradients are plain PyTorch's, bitwise."""
+    from zoomem import Unit
+    from zoomem.runtime.calls import split_calls, unsplit
+    from zoomem.runtime.units import run_unit
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    holder = nn.Sequential(layer)
+    split = split_calls(holder, Unit("0", layer), 3)
+    x = torch.randn(16, 32)
+
+    def grads(cheap: bool) -> dict:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for call in split.calls:
+                h = run_unit(call, call.forward, Decision.RECOMPUTE_CHEAP, (h,), {}) if cheap else call(h)
+        h.float().square().mean().backward()
+        out = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    want, got = grads(False), grads(True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    unsplit(holder)
+    assert _untouched(holder)
+
+    model, batch = _albert()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _step(copy.deepcopy(model), batch)[0]
+        zoomem.wrap(model, 0.3, batch=batch)
+        plan = next(iter(model._zoomem.plans.values()))
+        assert all(u.decision != Decision.RECOMPUTE_CHEAP for u in plan.units)
+        assert any(u.decision != Decision.KEEP for u in plan.units)
+        got = _step(model, batch)[0]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    zoomem.unwrap(model)

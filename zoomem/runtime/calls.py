@@ -21,12 +21,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..adapters import Adapter, Unit
 from .patch import eager_under_compile, set_forward
 
-__all__ = ["CallUnit", "Split", "current_call", "shared_module", "split_calls", "splits_of", "units_of", "unsplit"]
+__all__ = ["CallUnit", "Split", "casts_cached", "current_call", "shared_module", "split_calls", "splits_of", "units_of", "unsplit"]
 
 _CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("zoomem_call_unit", default=None)
 
@@ -164,6 +165,16 @@ def units_of(adapter: Adapter, model: nn.Module) -> list[Unit]:
         split = splits.get(u.name)
         out.extend(split.units() if split is not None and split.shared is u.module else [u])
     return out
+
+
+def casts_cached() -> bool:
+    """Whether autocast is on, with its weight-cast cache. Then a shared layer's calls after its first find their
+    weights cast already, and its backward adds their gradients in the cast's dtype, as plain PyTorch does; in
+    backward the cache is empty, so selective recomputation (``RECOMPUTE_CHEAP``), which must run the ops its
+    forward ran, casts again and torch raises ("aten._to_copy.default invocation index ... not found in storage";
+    ALBERT under Accelerate's bf16). Such calls recompute whole instead (the graph is the forward's: plain
+    PyTorch's gradients, bitwise)."""
+    return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def shared_module(module: nn.Module) -> nn.Module:

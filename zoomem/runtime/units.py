@@ -32,7 +32,7 @@ from ..ops import op_spec
 from ..ops.checkpoints import own_checkpoint
 from ..planner import EXPENSIVE_KINDS, Decision
 from ..state import restore_buffers
-from .calls import shared_module
+from .calls import CallUnit, casts_cached, shared_module
 from .chain import Chain, bring_back
 from .compact import UNIT_INNER
 from .patch import set_forward
@@ -155,6 +155,8 @@ def run_unit(
         with own_checkpoint():
             return forward(*a, **k)
 
+    if decision == Decision.RECOMPUTE_CHEAP and isinstance(module, CallUnit) and casts_cached():
+        decision = Decision.RECOMPUTE  # (see casts_cached; planned under autocast, such plans have none)
     return checkpoint(
         own,
         *args,

@@ -47,7 +47,7 @@ from .distributed import (all_reduce_mean, bucket_bytes, ddp_of, from_rank, from
                           world_size)
 from .compact import OUTSIDE_UNITS, UNIT_INNER, choose_impls, install_all, install_switched, wrap_root
 from .patch import HANDLE, eager_under_compile, is_ours, set_forward
-from .calls import shared_module, split_calls, splits_of, units_of, unsplit
+from .calls import CallUnit, casts_cached, shared_module, split_calls, splits_of, units_of, unsplit
 from .capture import HeldOutputGrads
 from .inflight import InFlight
 from .probe import probe_saved
@@ -832,6 +832,8 @@ def cost_model(
         finally:
             undo()
     costs = CostModel.from_graph(graph, stored_compact=stored)
+    if casts_cached():  # a shared layer's calls recompute whole under autocast (calls.casts_cached)
+        costs.recompute_cheap_s.update({u.name: float("inf") for u in units if isinstance(u.module, CallUnit)})
     if (costs.chain or costs.after_peaks) and not graph.forward_excess and graph.timeline:
         # what bringing a dropped input back costs; what a recomputed unit's own forward holds
         graph.forward_excess, graph.forward_rise = measure_forward_rises(model, batch, units)
