@@ -71,7 +71,6 @@ def test_albert_plans_each_call_of_its_shared_layer_with_plain_gradients() -> No
 
     plan = zoomem.plan(model, batch, 0.6)
     assert [u.name for u in plan.units] == [f"{layer}#{i}" for i in range(6)]
-    assert any(u.decision != Decision.KEEP for u in plan.units)
     assert _untouched(model)
 
     smallest = _smallest(model, batch)
@@ -82,11 +81,12 @@ def test_albert_plans_each_call_of_its_shared_layer_with_plain_gradients() -> No
         grads, peak = _step(model, batch)
         handle_plan = next(iter(model._zoomem.plans.values()))
         assert peak <= handle_plan.budget_bytes
+        assert budget != smallest or sum(u.decision != Decision.KEEP for u in handle_plan.units) >= 3
         assert grads.keys() == want.keys()
-        if budget == 0.6:  # no compact form runs: bitwise
-            assert all(torch.equal(grads[k], want[k]) for k in want)
+        if not handle_plan.outside_compact and not any(u.compact for u in handle_plan.units):
+            assert all(torch.equal(grads[k], want[k]) for k in want)  # no compact form runs: bitwise
         else:  # (the compact forms round otherwise)
-            _assert_grads_close(grads, want, "ALBERT at its smallest budget")
+            _assert_grads_close(grads, want, f"ALBERT at a budget of {budget}")
         assert list(model.state_dict()) == keys
         zoomem.unwrap(model)
         assert _untouched(model)
@@ -295,3 +295,26 @@ def test_a_shared_layers_calls_recompute_whole_under_autocast() -> None:
         got = _step(model, batch)[0]
     assert all(torch.equal(got[k], want[k]) for k in want)
     zoomem.unwrap(model)
+
+
+def test_a_split_model_copies_without_its_split_and_is_freed_when_dropped() -> None:
+    """The split lives on the model (a global table would have held a model dropped while wrapped alive, through
+    the forwards its split holds): ``copy.deepcopy`` leaves it out, and a wrapped model dropped without
+    ``unwrap`` is freed."""
+    import gc
+    import weakref
+
+    def loss_fn(out: torch.Tensor, b: Batch) -> torch.Tensor:
+        return out.square().mean()
+
+    torch.manual_seed(0)
+    model = _Recurrent()
+    batch = Batch(args=(torch.randn(128, 6, 16),))
+    zoomem.wrap(model, 0.75, loss_fn=loss_fn, batch=batch)
+    assert len(splits_of(model)["cell"].calls) == 6
+    copied = copy.deepcopy(model)
+    assert not splits_of(copied) and _untouched(copied)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

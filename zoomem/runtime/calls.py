@@ -1,9 +1,10 @@
 """Per-call units: a unit that one forward calls several times is planned call by call.
 
 A layer shared across depth (HF's ALBERT runs one ``AlbertLayer`` for all its 12 layers; a weight-tied GNN one conv
-8 times) or a block run on several views inside one forward is one module but many stretches of the step. Planned
-as one unit, its calls were one segment, and recomputing it was priced as holding every call's activations at
-once, so it was never chosen (ALBERT with its layer a unit: 96% of plain PyTorch's peak at the least).
+8 times; a recurrent cell once per time step) is one module but many stretches of the step. Planned as one unit,
+its calls were one segment, and recomputing it was priced as holding every call's activations at once, so it was
+never chosen (ALBERT with its layer a unit: 96% of plain PyTorch's peak at the least). A unit with other units
+between its calls (a backbone run on two views) stays one: the units are planned in forward order.
 
 Here each call becomes a unit of its own: a :class:`CallUnit` per call, outside the model's tree (its parameters,
 buffers and submodules are the shared module's), and the shared module's forward dispatches its n-th call of a
@@ -17,7 +18,6 @@ splits them too (:meth:`Split.grow`).
 from __future__ import annotations
 
 import contextvars
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from ..adapters import Adapter, Unit
-from .patch import eager_under_compile, set_forward
+from .patch import SPLITS, eager_under_compile, set_forward
 
-__all__ = ["CallUnit", "Split", "casts_cached", "current_call", "shared_module", "split_calls", "splits_of", "units_of", "unsplit"]
+__all__ = ["CallUnit", "Split", "casts_cached", "current_call", "shared_module", "split_calls", "splits_of", "units_of",
+           "unsplit"]
 
 _CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("zoomem_call_unit", default=None)
 
@@ -104,17 +105,13 @@ class Split:
         return new
 
     def units(self) -> list[Unit]:
-        return [Unit(f"{self.name}#{c.index}", c) for c in self.calls]
-
-
-_SPLITS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Split]]" = weakref.WeakKeyDictionary()
-"""Per model, its split units by name."""
+        return [Unit(c.unit_name, c) for c in self.calls]
 
 
 def split_calls(model: nn.Module, unit: Unit, calls: int) -> Split:
     """Plan ``unit`` of ``model`` call by call, for up to ``calls`` calls per forward (more where it is split
     already); :func:`unsplit` undoes it."""
-    splits = _SPLITS.setdefault(model, {})
+    splits = model.__dict__.setdefault(SPLITS, {})
     split = splits.get(unit.name)
     if split is None:
         from .compact import UNIT_INNER  # (compact imports this module)
@@ -139,25 +136,25 @@ def split_calls(model: nn.Module, unit: Unit, calls: int) -> Split:
 
 def unsplit(model: nn.Module, name: str | None = None) -> None:
     """Undo :func:`split_calls` for the unit ``name`` of ``model`` (every one where ``None``)."""
-    splits = _SPLITS.get(model, {})
+    splits = splits_of(model)
     for key in [name] if name is not None else list(splits):
         split = splits.pop(key, None)
         if split is not None:
             for undo in reversed(split.undo):
                 undo()
-    if model in _SPLITS and not _SPLITS[model]:
-        del _SPLITS[model]
+    if not splits:
+        model.__dict__.pop(SPLITS, None)
 
 
 def splits_of(model: nn.Module) -> dict[str, Split]:
     """``model``'s split units by name."""
-    return _SPLITS.get(model, {})
+    return model.__dict__.get(SPLITS, {})
 
 
 def units_of(adapter: Adapter, model: nn.Module) -> list[Unit]:
     """``adapter``'s units of ``model``, each split unit as its calls (in call order)."""
     units = adapter.units(model)
-    splits = _SPLITS.get(model)
+    splits = splits_of(model)
     if not splits:
         return units
     out: list[Unit] = []

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["HANDLE", "eager_under_compile", "is_ours", "plain_state", "record_patch", "set_forward"]
+__all__ = ["HANDLE", "SPLITS", "eager_under_compile", "is_ours", "plain_state", "record_patch", "set_forward"]
 
 HANDLE = "_zoomem"
 """The instance attribute of a wrapped model that holds its wrap (``zoomem.runtime.wrap``'s handle)."""
@@ -28,9 +28,14 @@ _PATCHES = "_zoomem_patches"
 ``__dict__`` keys it set (on the module itself: a global table holding a previous forward bound to its module
 would keep a model that was dropped wrapped alive)."""
 
-PRIVATE_KEYS = frozenset({"__getstate__", HANDLE, _PATCHES})
-"""Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below, the wrap's handle and the
-changes' record."""
+SPLITS = "_zoomem_splits"
+"""The instance attribute of a model that holds its shared layers split call by call, by unit name
+(:mod:`zoomem.runtime.calls`; on the model: a global table would keep a model dropped while split alive, through
+the wrapped forwards its splits hold)."""
+
+PRIVATE_KEYS = frozenset({"__getstate__", HANDLE, _PATCHES, SPLITS})
+"""Instance attributes of zoomem's own that no copy carries: the ``__getstate__`` below, the wrap's handle, the
+changes' record and a model's split layers."""
 
 
 def record_patch(module: nn.Module, before: dict[str, tuple[bool, Any]]) -> Callable[[], None]:

@@ -898,7 +898,7 @@ def _split(model: nn.Module, adapter: Adapter, wanted: dict[str, int]) -> bool:
             if fresh:
                 handle.undo.append(functools.partial(unsplit, model, name))
             for call in split.calls[before:]:
-                handle.undo.append(set_forward(call, _unit_forward(handle, Unit(f"{name}#{call.index}", call))))
+                handle.undo.append(set_forward(call, _unit_forward(handle, Unit(call.unit_name, call))))
     if wanted and handle is not None:
         handle.units = units_of(adapter, model)
     return bool(wanted)
