@@ -114,6 +114,9 @@ def test_hf_layout_table() -> None:
     large = zoo.HF_MODELS["bert-large-uncased"].fields
     assert (large["hidden_size"], large["num_hidden_layers"], large["num_attention_heads"],
             large["intermediate_size"]) == (1024, 24, 16, 4096)
+    model, adapter = zoo.build("hf/albert-base-v2", num_hidden_layers=2)  # (AlbertConfig's default is xxlarge)
+    assert (model.config.hidden_size, model.config.embedding_size) == (768, 128)
+    assert [u.name for u in adapter.units(model)] == ["albert.encoder.albert_layer_groups.0.albert_layers.0"]
     assert "REDUCED" in zoo.HF_MODELS["llama"].doc
 
 

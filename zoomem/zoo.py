@@ -62,6 +62,12 @@ class HFLayout:
 
 
 HF_MODELS: dict[str, HFLayout] = {
+    "albert-base-v2": HFLayout(
+        "AlbertConfig",
+        "AlbertForSequenceClassification",
+        {"embedding_size": 128, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
+        "ALBERT-base layout (12 x 768, one layer shared across depth: planned call by call), classification head",
+    ),
     "bart-base": HFLayout(
         "BartConfig",
         "BartForConditionalGeneration",
