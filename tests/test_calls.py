@@ -14,6 +14,7 @@ import zoomem
 from zoomem import Batch
 from zoomem.planner import Decision, InfeasibleBudgetError
 from zoomem.runtime.calls import splits_of
+from zoomem.runtime.patch import is_ours
 
 from test_wrap import _assert_grads_close
 
@@ -41,7 +42,7 @@ def _untouched(model: nn.Module) -> bool:
     """Nothing of zoomem's left on ``model``: no instance forward, no split, no hook of zoomem's."""
     hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     return (all("forward" not in m.__dict__ for m in model.modules()) and not splits_of(model)
-            and not any((getattr(h, "__module__", "") or "").startswith("zoomem.") for h in hooks))
+            and not any(is_ours(h) for h in hooks))
 
 
 def _albert() -> tuple[nn.Module, Batch]:
