@@ -10,7 +10,8 @@ Here each call becomes a unit of its own: a :class:`CallUnit` per call, outside 
 buffers and submodules are the shared module's), and the shared module's forward dispatches its n-th call of a
 forward to the n-th one (:func:`split_calls`). The tracer, the timelines, the probes and the runtime know units by
 their module's hooks and forward, so each call is measured, planned and run as a unit, recomputation included.
-The model's forward pre-hook starts each forward at the first call. Calls beyond those split (a later input
+Each forward of the model counts its calls from the first (its forward hooks: a forward nested in
+another, as planning's inside the step's, counts its own). Calls beyond those split (a later input
 that loops longer) run the shared module's own forward, planned as code outside the units, until planning
 splits them too (:meth:`Split.grow`).
 """
@@ -85,15 +86,16 @@ class Split:
     previous: Callable[..., Any]
     inner: list[Callable[..., Any]]
     calls: list[CallUnit] = field(default_factory=list)
-    next_call: int = 0
+    counts: list[int] = field(default_factory=lambda: [0])  # calls so far, per model forward running (nested ones:
+    # planning's inside the step's own); the first counts calls made outside any (a backbone called directly)
     most: int = 0  # the most calls one forward made since the split
     undo: list[Callable[[], None]] = field(default_factory=list)
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         """The shared module's forward: its n-th call of this forward runs the n-th call unit."""
-        index = self.next_call
-        self.next_call += 1
-        self.most = max(self.most, self.next_call)
+        index = self.counts[-1]
+        self.counts[-1] += 1
+        self.most = max(self.most, index + 1)
         if index < len(self.calls):
             return self.calls[index](*args, **kwargs)
         return self.previous(*args, **kwargs)
@@ -121,15 +123,20 @@ def split_calls(model: nn.Module, unit: Unit, calls: int) -> Split:
                                           [getattr(previous, UNIT_INNER, [previous])[0]])
 
         def start(module: nn.Module, args: Any) -> None:
-            split.next_call = 0
+            split.counts.append(0)
+
+        def end(module: nn.Module, args: Any, output: Any) -> None:
+            if len(split.counts) > 1:
+                split.counts.pop()
 
         def dispatch(*args: Any, **kwargs: Any) -> Any:
             return split.dispatch(*args, **kwargs)
 
         setattr(dispatch, UNIT_INNER, split.inner)
-        hook = model.register_forward_pre_hook(start, prepend=True)
+        hooks = [model.register_forward_pre_hook(start, prepend=True),
+                 model.register_forward_hook(end, always_call=True)]
         # (eager where the shared layer is compiled in place: Dynamo would guard on the call's index)
-        split.undo = [set_forward(unit.module, eager_under_compile(dispatch)), hook.remove]
+        split.undo = [set_forward(unit.module, eager_under_compile(dispatch)), *(h.remove for h in hooks)]
     split.grow(calls)
     return split
 

@@ -268,7 +268,6 @@ class _Handle:
         swap = self.forward is not None and outer is not self.forward
         if swap:
             self.model.__dict__["forward"] = self.forward
-        calls = {name: split.next_call for name, split in splits_of(self.model).items()}
         try:
             with planning_passes(self.model):
                 yield
@@ -276,8 +275,6 @@ class _Handle:
             if swap:
                 self.model.__dict__["forward"] = outer
             self.busy = was_busy
-            for name, split in splits_of(self.model).items():  # the forward planning began in goes on counting
-                split.next_call = calls.get(name, 0)  # its shared layers' calls where it was
             if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
                 torch.clear_autocast_cache()
 
