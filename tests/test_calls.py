@@ -165,7 +165,8 @@ class _Recurrent(nn.Module):
 def test_a_loop_over_time_steps_plans_each_step_and_grows_with_longer_inputs(caplog) -> None:
     """A cell called once per time step is split into as many units as the longest input has steps: a longer
     sequence later adds units, the shorter one runs its own plan, and each step's gradients are plain PyTorch's
-    (bitwise: dropout masks replayed per call). The split's hook on the model is not taken for the user's."""
+    (bitwise: dropout masks replayed per call), and eval forwards give its outputs. The split's hooks on the model
+    are not taken for the user's."""
     def loss_fn(out: torch.Tensor, b: Batch) -> torch.Tensor:
         return out.square().mean()
 
@@ -190,6 +191,10 @@ def test_a_loop_over_time_steps_plans_each_step_and_grows_with_longer_inputs(cap
     split_said = [r.message for r in caplog.records if "each call is planned as a unit of its own" in r.message]
     assert len(split_said) == 2  # split at 6 steps, grown at 10
     assert not any("module hooks on" in r.message for r in caplog.records)  # (the split's own hook is none)
+    model.eval(), reference.eval()  # eval and no_grad forwards through the split: plain PyTorch's outputs
+    with torch.no_grad():
+        assert torch.equal(batch.call(model), batch.call(reference))
+    model.train(), reference.train()
     copied = copy.deepcopy(model)  # (an EMA copy): a plain model of its own, gradients in its own parameters
     assert all("forward" not in m.__dict__ for m in copied.modules())
     loss_fn(copied(batch.args[0]), batch).backward()
